@@ -1,0 +1,102 @@
+"""Committed checkpoints: a checkpoint exists only once it is fully on disk.
+
+Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
+At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"^step-(\d{8,})\.pt$")
+TEMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written; older checkpoints are untouched."""
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Committed checkpoints, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    temp = directory / f"{TEMP_PREFIX}{final.name}.{os.getpid()}"
+    try:
+        with open(temp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, final)
+        _fsync_dir(directory)
+    except (OSError, RuntimeError) as err:
+        temp.unlink(missing_ok=True)
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in str(err):
+            raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
+                                  f"(free space in {directory}; older checkpoints are intact)") from None
+        raise CheckpointError(f"--checkpoint-dir: cannot write {final} ({err})") from None
+    for old in list_checkpoints(directory)[keep:]:
+        old.unlink(missing_ok=True)
+    _remove_stale_temps(directory)
+    return final
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Temp files left by a writer that was killed mid-save are never valid checkpoints."""
+    for temp in directory.glob(f"{TEMP_PREFIX}*"):
+        temp.unlink(missing_ok=True)
+
+
+def load(path: Path) -> dict[str, Any]:
+    # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path] | None:
+    """The state to resume from, or None to start fresh. An explicit path must load."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        try:
+            return load(path), path
+        except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors all mean "not a checkpoint")
+            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint "
+                             f"({type(err).__name__}: {str(err).splitlines()[0][:160]})",
+                             "give a checkpoint written by this trainer, or --resume auto") from None
+    for path in list_checkpoints(directory):
+        try:
+            return load(path), path
+        except Exception as err:  # noqa: BLE001
+            log.warning("checkpoint %s does not load (%s: %s); trying the previous one",
+                        path, type(err).__name__, str(err).splitlines()[0][:160])
+    return None

@@ -1,0 +1,215 @@
+"""The one typed configuration of a training run.
+
+Every field is a CLI flag (``--batch-size``) and an environment variable (``TRAIN_BATCH_SIZE``).
+Precedence: flag > environment > ``.env`` file (never overriding the real environment) > default.
+The whole tree is validated once, before any process group forms, so a mistake costs seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from dotenv import dotenv_values
+
+from trainer.errors import UsageError
+
+ENV_PREFIX = "TRAIN_"
+
+MODELS = ("resnet18", "resnet50", "cifar_resnet18", "cnn", "autoencoder")
+DATASETS = ("synthetic", "cifar10", "mnist", "imagefolder")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # What to train on what.
+    model: str = option("resnet18", "model architecture", MODELS)
+    dataset: str = option("synthetic", "training data; synthetic needs no files", DATASETS)
+    data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)")
+    synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)")
+    # How long.
+    epochs: int = option(5, "passes over the training data")
+    max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)")
+    # Batch and optimizer.
+    batch_size: int = option(64, "samples per process per micro-batch")
+    global_batch_size: int = option(0, "samples per optimizer step over all processes (0: use --batch-size)")
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
+    optimizer: str = option("sgd", "optimizer", ("sgd", "adamw"))
+    lr: float = option(0.1, "peak learning rate")
+    momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
+    weight_decay: float = option(5e-4, "weight decay (not applied to norms and biases)")
+    lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"))
+    warmup_steps: int = option(50, "linear warm-up steps")
+    # Speed.
+    amp: str = option("off", "mixed precision on CUDA", ("off", "bf16", "fp16"))
+    channels_last: bool = option(False, "NHWC memory format (faster convolutions on tensor cores)")
+    compile: bool = option(False, "torch.compile the model")
+    sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes")
+    loader: str = option("auto", "input path: memory (batched tensor ops, on the GPU when there is one), "
+                         "dataloader (worker processes), auto (memory when the dataset fits)",
+                         ("auto", "memory", "dataloader"))
+    num_workers: int = option(2, "DataLoader worker processes per training process")
+    # Observability.
+    val_every: int = option(1, "validate every N epochs (0: never)")
+    log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
+    log_dir: str = option("./runs", "TensorBoard events and summary.json")
+    # Checkpoints.
+    checkpoint_dir: str = option("./checkpoints", "where checkpoints are committed")
+    checkpoint_every: int = option(500, "checkpoint every N optimizer steps (0: only at epoch ends)")
+    keep_checkpoints: int = option(3, "newest checkpoints kept (at least 2)")
+    resume: str = option("auto", "auto (newest valid checkpoint), never, or a checkpoint path")
+    # Distributed.
+    seed: int = option(0, "random seed (the same on every rank)")
+    backend: str = option("auto", "process-group backend; auto: nccl with a GPU, else gloo", ("auto", "nccl", "gloo"))
+    collective_timeout: float = option(300.0, "seconds a collective may wait for a peer before the run fails")
+
+    # Derived once the world size is known (not options).
+    world_size: int = field(default=1, metadata={"derived": True})
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.world_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+OPTIONS = [f for f in dataclasses.fields(TrainConfig) if not f.metadata.get("derived")]
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(
+        prog="trainer",
+        description="One DistributedDataParallel training worker. Run it under torchrun "
+        "(or trainer-launch), under Slurm srun, or alone. Every option is also an environment "
+        f"variable ({ENV_PREFIX}<OPTION>) and may stand in a .env file; flags win over the "
+        "environment, the environment over .env, .env over defaults.",
+    )
+    parser.add_argument("--env-file", default=".env", help="dotenv file read for TRAIN_* values (default: .env)")
+    for f in OPTIONS:
+        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]"
+        if f.type == "bool":
+            parser.add_argument(flag_name(f.name), nargs="?", const="true", default=None,
+                                metavar="BOOL", help=help_text)
+        else:
+            choices = f.metadata["choices"]
+            parser.add_argument(flag_name(f.name), default=None, help=help_text,
+                                metavar="{" + ",".join(choices) + "}" if choices else None)
+    return parser
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own two-line usage error breaks the one-line contract
+        raise UsageError("arguments", message, "see `trainer --help`")
+
+
+def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -> Any:
+    text = raw.strip()
+    if kind == "bool":
+        if text.lower() in TRUE_WORDS:
+            return True
+        if text.lower() in FALSE_WORDS:
+            return False
+        raise UsageError(setting, f"'{raw}' is not a boolean", "use true or false")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(setting, f"'{raw}' is not an integer", "give a whole number") from None
+    if kind == "float":
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(setting, f"'{raw}' is not a number", "give a number such as 0.1") from None
+        if not math.isfinite(value):
+            raise UsageError(setting, f"'{raw}' is not a finite number", "give a number such as 0.1")
+        return value
+    if choices and text not in choices:
+        raise UsageError(setting, f"unknown value '{raw}'", "choose one of " + ", ".join(choices))
+    return text
+
+
+def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
+    """Merge flags, environment, .env and defaults into a validated TrainConfig."""
+    args = build_parser().parse_args(argv)
+    dotenv = _read_dotenv(args.env_file)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # option -> the setting the user wrote, for error messages
+    for f in OPTIONS:
+        flag_value = getattr(args, f.name)
+        if flag_value is not None:
+            raw, setting = flag_value, flag_name(f.name)
+        elif env_name(f.name) in environ:
+            raw, setting = environ[env_name(f.name)], env_name(f.name)
+        elif env_name(f.name) in dotenv:
+            raw, setting = dotenv[env_name(f.name)], f"{env_name(f.name)} (in {args.env_file})"
+        else:
+            continue
+        # With postponed annotations f.type is the annotation's text: "int", "bool", ...
+        values[f.name] = _convert(raw, f.type, setting, f.metadata["choices"])
+        sources[f.name] = setting
+    return _validated(TrainConfig(**values), world_size, sources)
+
+
+def _read_dotenv(path: str) -> dict[str, str]:
+    if not Path(path).is_file():
+        return {}
+    try:
+        return {k: v for k, v in dotenv_values(path).items() if v is not None}
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError("--env-file", f"cannot read {path}: {err}", "fix or remove the file") from None
+
+
+def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
+    def setting(name: str) -> str:
+        return sources.get(name, flag_name(name))
+
+    for name, minimum in (("synthetic_size", 1), ("epochs", 1), ("max_steps", 0), ("batch_size", 1),
+                          ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
+                          ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
+                          ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
+                          ("collective_timeout", 1)):
+        if getattr(cfg, name) < minimum:
+            raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
+    if cfg.momentum >= 1:
+        raise UsageError(setting("momentum"), f"{cfg.momentum} must be below 1", "use a value such as 0.9")
+    batch_size = cfg.batch_size
+    if cfg.global_batch_size:
+        per_step = world_size * cfg.grad_accum
+        if cfg.global_batch_size % per_step:
+            raise UsageError(setting("global_batch_size"),
+                             f"{cfg.global_batch_size} is not divisible by world size {world_size} "
+                             f"x grad-accum {cfg.grad_accum}",
+                             f"use a multiple of {per_step}")
+        batch_size = cfg.global_batch_size // per_step
+    if cfg.dataset == "imagefolder" and not (Path(cfg.data_dir) / "train").is_dir():
+        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
+                         "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
+    if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
+        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file():
+        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
+                         "give an existing checkpoint file, auto or never")
+    if cfg.model == "autoencoder" and cfg.channels_last:
+        raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
+                         "drop --channels-last for --model autoencoder")
+    return dataclasses.replace(cfg, batch_size=batch_size, world_size=world_size)

@@ -1,0 +1,256 @@
+"""Datasets, per-rank sharding and the two input paths.
+
+Every random choice of augmentation is a pure function of (seed, epoch, sample index). So a sample
+looks the same whichever rank, world size or input path reads it, and a resumed run sees exactly
+the batches the uninterrupted run would have seen.
+
+Input paths:
+- memory: datasets that fit in memory (synthetic, CIFAR-10, MNIST) are one uint8 tensor, on the GPU
+  when there is one; a batch is one indexing op plus batched crop/flip, with no per-sample Python.
+- dataloader: worker processes decode and collate per sample (ImageFolder, or on request).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from trainer.config import TrainConfig
+from trainer.distributed import DistContext, local_main_first
+from trainer.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+CROP_PADDING = 4
+SYNTHETIC_CLASSES = 10
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    channels: int
+    image_size: int
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment_on_device: bool  # random crop + flip done batched on the device (in-memory datasets)
+
+
+@dataclass
+class InMemoryImages:
+    images: torch.Tensor  # uint8, N x C x H x W
+    labels: torch.Tensor  # int64, N
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """A well-mixed 31-bit integer per (seed, epoch, index): the only source of augmentation randomness."""
+    x = (indices.long() * 0x9E3779B1 + epoch * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return ((x >> 16) ^ x) & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------------------- datasets
+
+def make_synthetic(size: int, seed: int) -> tuple[InMemoryImages, InMemoryImages]:
+    """CIFAR-shaped, learnable: each class is a smooth colour pattern, each sample a noisy, shifted copy."""
+    gen = torch.Generator().manual_seed(seed)
+    prototypes = torch.nn.functional.interpolate(
+        torch.randn(SYNTHETIC_CLASSES, 3, 4, 4, generator=gen), size=(32, 32), mode="bilinear",
+        align_corners=False)
+
+    def draw(n: int) -> InMemoryImages:
+        labels = torch.randint(0, SYNTHETIC_CLASSES, (n,), generator=gen)
+        noise = torch.randn(n, 3, 32, 32, generator=gen)
+        images = 128 + 48 * prototypes[labels] + 40 * noise
+        return InMemoryImages(images.clamp_(0, 255).to(torch.uint8), labels)
+
+    return draw(size), draw(max(1, size // 5))
+
+
+def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
+    from torchvision import datasets
+
+    class CIFAR10(datasets.CIFAR10):
+        # Files rebuilt or re-packed on a cluster store rarely keep the published checksums; the
+        # loader itself validates shapes, so trust files that are there and download the rest.
+        def _check_integrity(self) -> bool:
+            root = Path(self.root) / self.base_folder
+            return all((root / name).is_file() for name, _ in self.train_list + self.test_list)
+
+    cls = {"cifar10": CIFAR10, "mnist": datasets.MNIST}[cfg.dataset]
+    failure = None
+    with local_main_first(ctx):  # one download per node, the other processes wait for it
+        if ctx.is_local_main:
+            try:
+                cls(cfg.data_dir, train=True, download=True)
+                cls(cfg.data_dir, train=False, download=True)
+            except Exception as err:  # noqa: BLE001 (network, permissions, read-only mount: all mean the same to the user)
+                failure = err
+    try:
+        train, val = cls(cfg.data_dir, train=True), cls(cfg.data_dir, train=False)
+    except Exception as err:  # noqa: BLE001
+        reason = failure or err
+        raise UsageError("--data-dir", f"{cfg.dataset} is not in '{cfg.data_dir}' and could not be downloaded "
+                         f"({type(reason).__name__}: {str(reason).splitlines()[0][:120]})",
+                         "mount the dataset files at the data directory, or use --dataset synthetic") from None
+
+    def to_memory(ds) -> InMemoryImages:
+        images = torch.as_tensor(ds.data)
+        images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+        return InMemoryImages(images.contiguous(), torch.as_tensor(ds.targets, dtype=torch.long))
+
+    return to_memory(train), to_memory(val)
+
+
+class _ImageFolderWithKeys(Dataset):
+    """ImageFolder whose random transforms are seeded per (seed, epoch, index)."""
+
+    def __init__(self, root: Path, train: bool, image_size: int, seed: int):
+        from torchvision import datasets, transforms
+
+        self.folder = datasets.ImageFolder(str(root))
+        self.seed = seed
+        resize = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
+            transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
+        self.transform = transforms.Compose(resize + [transforms.PILToTensor()])
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, self.seed)))
+        path, label = self.folder.samples[index]
+        return self.transform(self.folder.loader(path)), label
+
+
+class _MemoryAsDataset(Dataset):
+    """In-memory images served sample by sample (the DataLoader path on request, and its benchmark)."""
+
+    def __init__(self, data: InMemoryImages):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, _epoch = key
+        return self.data.images[index], self.data.labels[index]
+
+
+def build_datasets(cfg: TrainConfig, ctx: DistContext):
+    """(train, val, spec); train and val are InMemoryImages or map-style datasets (val may be None)."""
+    if cfg.dataset == "synthetic":
+        train, val = make_synthetic(cfg.synthetic_size, cfg.seed)
+        return train, val, DataSpec(3, 32, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+    if cfg.dataset == "cifar10":
+        train, val = _torchvision_dataset(cfg, ctx)
+        return train, val, DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True)
+    if cfg.dataset == "mnist":
+        train, val = _torchvision_dataset(cfg, ctx)
+        return train, val, DataSpec(1, 28, 10, (0.1307,), (0.3081,), False)
+    root = Path(cfg.data_dir)
+    train = _ImageFolderWithKeys(root / "train", True, 224, cfg.seed)
+    val = _ImageFolderWithKeys(root / "val", False, 224, cfg.seed) if (root / "val").is_dir() else None
+    if val is None:
+        log.warning("no val/ folder under %s: validation is skipped", root)
+    return train, val, DataSpec(3, 224, len(train.folder.classes), IMAGENET_MEAN, IMAGENET_STD, False)
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+class _KeyedOrder(Sampler):
+    """Yields (index, epoch) keys in an order set before each epoch (the main process owns it)."""
+
+    def __init__(self):
+        self.indices: list[int] = []
+        self.epoch = 0
+
+    def __iter__(self):
+        return iter([(i, self.epoch) for i in self.indices])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Batches:
+    """One rank's batches of one split, on the training device, normalised and augmented."""
+
+    def __init__(self, data, spec: DataSpec, cfg: TrainConfig, ctx: DistContext, train: bool):
+        self.spec, self.train, self.ctx = spec, train, ctx
+        self.batch_size, self.seed = cfg.batch_size, cfg.seed
+        self.device = ctx.device
+        in_memory = isinstance(data, InMemoryImages)
+        use_memory = cfg.loader == "memory" or (cfg.loader == "auto" and in_memory)
+        if use_memory and not in_memory:
+            raise UsageError("--loader", f"{cfg.dataset} is read from disk, not held in memory",
+                             "use --loader dataloader or auto")
+        self.size = len(data)
+        self.memory = data if use_memory else None
+        if self.memory is not None:
+            self.memory = InMemoryImages(data.images.to(self.device), data.labels.to(self.device))
+        else:
+            self.order = _KeyedOrder()
+            workers = cfg.num_workers
+            self.loader = DataLoader(
+                data if not in_memory else _MemoryAsDataset(data), batch_size=self.batch_size,
+                sampler=self.order, num_workers=workers, pin_memory=self.device.type == "cuda",
+                persistent_workers=workers > 0, drop_last=train, prefetch_factor=4 if workers else None)
+        mean = torch.tensor(spec.mean, device=self.device).view(1, -1, 1, 1)
+        std = torch.tensor(spec.std, device=self.device).view(1, -1, 1, 1)
+        self.scale, self.shift = 1 / (255 * std), mean / std
+        shard = self._shard(0)
+        self.num_batches = len(shard) // self.batch_size if train else -(-len(shard) // self.batch_size)
+
+    def _shard(self, epoch: int) -> list[int]:
+        if not self.train:  # no padding: padded duplicates would be counted twice in the metrics
+            return list(range(self.ctx.rank, self.size, self.ctx.world_size))
+        sampler = DistributedSampler(range(self.size), num_replicas=self.ctx.world_size, rank=self.ctx.rank,
+                                     shuffle=True, seed=self.seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> Iterator:
+        """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels)."""
+        stop_batch = self.num_batches if stop_batch is None else stop_batch
+        indices = self._shard(epoch)[start_batch * self.batch_size:stop_batch * self.batch_size]
+        if self.memory is not None:
+            order = torch.tensor(indices, dtype=torch.long, device=self.device)
+            for begin in range(0, len(indices), self.batch_size):
+                idx = order[begin:begin + self.batch_size]
+                yield self._prepare(self.memory.images[idx], self.memory.labels[idx], idx, epoch)
+            return
+        self.order.indices, self.order.epoch = indices, epoch
+        for batch_number, (images, labels) in enumerate(self.loader):
+            first = batch_number * self.batch_size
+            idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
+            yield self._prepare(images.to(self.device, non_blocking=True),
+                                labels.to(self.device, non_blocking=True), idx.to(self.device), epoch)
+
+    def _prepare(self, images: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
+        x = images.float().mul_(self.scale).sub_(self.shift)
+        if self.train and self.spec.augment_on_device:
+            x = random_crop_flip(x, sample_keys(idx, epoch, self.seed))
+        return x, labels
+
+
+def random_crop_flip(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per-sample random crop (zero padding 4) and horizontal flip, batched, decided by the keys."""
+    n, _, h, w = x.shape
+    span = 2 * CROP_PADDING + 1
+    dy, dx, flip = keys % span, (keys // span) % span, (keys // (span * span)) % 2 == 1
+    padded = torch.nn.functional.pad(x, (CROP_PADDING,) * 4)
+    rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]
+    cols = torch.where(flip[:, None, None], cols.flip(2), cols)
+    batch = torch.arange(n, device=x.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()

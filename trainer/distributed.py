@@ -1,0 +1,227 @@
+"""Who this process is, the process group, and named helpers for who does what.
+
+Rank facts are read once from the environment (torchrun, Slurm srun, or nothing at all) into a
+frozen Topology; everything else asks the DistContext instead of re-reading RANK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+from trainer.errors import UsageError
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def distributed(self) -> bool:
+        return self.launcher != "single"
+
+
+def _int_env(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
+    raw = env[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(name, f"'{raw}' is not an integer", "set it to a whole number") from None
+    if value < minimum:
+        raise UsageError(name, f"{value} is below {minimum}", f"set it to {minimum} or more")
+    return value
+
+
+def _master_port(env: Mapping[str, str]) -> int:
+    if "MASTER_PORT" not in env:
+        return DEFAULT_MASTER_PORT
+    port = _int_env(env, "MASTER_PORT", 1)
+    if port > 65535:
+        raise UsageError("MASTER_PORT", f"{port} is not a TCP port", "use a port between 1024 and 65535")
+    return port
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise UsageError("SLURM_JOB_NODELIST", f"cannot read '{nodelist}'", "set MASTER_ADDR to the first host")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_topology(env: Mapping[str, str]) -> Topology:
+    """Read the rank facts that torchrun or srun put in the environment (none: one plain process)."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = _int_env(env, "WORLD_SIZE", 1)
+        rank = _int_env(env, "RANK")
+        if rank >= world_size:
+            raise UsageError("RANK", f"{rank} is not below WORLD_SIZE {world_size}", "give each process a rank in [0, WORLD_SIZE)")
+        return Topology(
+            rank=rank,
+            local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            world_size=world_size,
+            local_world_size=_int_env(env, "LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in env else 1,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_master_port(env),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world_size = _int_env(env, "SLURM_NTASKS", 1)
+        master_addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return Topology(
+            rank=_int_env(env, "SLURM_PROCID"),
+            local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            world_size=world_size,
+            local_world_size=_int_env(env, "SLURM_NTASKS_PER_NODE", 1) if "SLURM_NTASKS_PER_NODE" in env else 1,
+            master_addr=master_addr,
+            master_port=_master_port(env),
+            launcher="slurm",
+        )
+    return Topology(0, 0, 1, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    topology: Topology
+    backend: str  # "nccl", "gloo", or "none" for a single plain process
+    device: "torch.device"  # noqa: F821 (torch is imported lazily to keep --help and errors fast)
+    control_group: object = None  # a gloo group for CPU-side agreement (stop requests) without GPU syncs
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.topology.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend != "none"
+
+
+def resolve_backend(choice: str) -> str:
+    import torch
+
+    if choice == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend", "nccl needs a CUDA GPU and none is visible",
+                         "use --backend gloo (or auto) on CPU hosts, or give the container GPUs")
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return choice
+
+
+def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistContext:
+    """Pin the device and form the process group (skipped for a single plain process)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = resolve_backend(backend_choice)
+    if torch.cuda.is_available():
+        if topology.local_rank >= torch.cuda.device_count():
+            raise UsageError("NPROC_PER_NODE", f"local rank {topology.local_rank} has no GPU "
+                             f"({torch.cuda.device_count()} visible)", "start at most one process per GPU")
+        torch.cuda.set_device(topology.local_rank)
+        device = torch.device("cuda", topology.local_rank)
+    else:
+        device = torch.device("cpu")
+    if not topology.distributed:
+        return DistContext(topology, "none", device)
+    if topology.launcher == "slurm":  # env:// reads these; torchrun already set them
+        os.environ.update(MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port),
+                          RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
+                          LOCAL_RANK=str(topology.local_rank))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    return DistContext(topology, backend, device, control)
+
+
+def teardown(ctx: DistContext) -> None:
+    import torch.distributed as dist
+
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    import torch.distributed as dist
+
+    if ctx.distributed:
+        dist.barrier(group=ctx.control_group)
+
+
+@contextlib.contextmanager
+def local_main_first(ctx: DistContext) -> Iterator[None]:
+    """The first process of each node runs the block (a download, say) before the others."""
+    if not ctx.is_local_main:
+        barrier(ctx)
+    yield
+    if ctx.is_local_main:
+        barrier(ctx)
+
+
+def all_reduce_sum(ctx: DistContext, tensor):
+    """Sum a tensor over all ranks in place (a no-op for one plain process)."""
+    import torch.distributed as dist
+
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def any_rank(ctx: DistContext, flag: bool) -> bool:
+    """True on every rank when the flag is true on any rank (CPU-side, no GPU sync)."""
+    import torch
+    import torch.distributed as dist
+
+    if not ctx.distributed:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ctx.control_group)
+    return bool(value.item())
+
+
+def broadcast_from_main(ctx: DistContext, obj):
+    """Rank 0's Python object on every rank (checkpoints live on rank 0's disk only)."""
+    import torch.distributed as dist
+
+    if not ctx.distributed:
+        return obj
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+    return box[0]
+
+
+def all_gather_objects(ctx: DistContext, obj) -> list:
+    import torch.distributed as dist
+
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.control_group)
+    return out

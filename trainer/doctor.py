@@ -1,0 +1,311 @@
+"""Preflight checks for distributed training in containers (`trainer-doctor`).
+
+Reads the launcher's environment (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_*, *_SOCKET_IFNAME)
+and TRAIN_* options, and reports problems that otherwise show up as bus errors or silent hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+MIB, GIB = 1 << 20, 1 << 30
+SHM_FIX = "run with ipc: host or shm_size: 8gb (compose), --shm-size / --ipc=host (docker run)"
+IFACE_FIX = "other nodes cannot reach it: name the host's routable interface (network_mode: host)"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # 'pass' | 'warn' | 'fail'
+    value: str
+    fix: str = ""
+
+
+def _check(name: str, status: str, value: str, fix: str = "") -> Check:
+    return Check(name, status, value, "" if status == "pass" else fix)
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _settings(env: Mapping[str, str], gpus: int) -> tuple[dict, list[str]]:
+    problems: list[str] = []
+
+    def num(key: str, default: int) -> int:
+        raw = env.get(key, "").strip()
+        if raw and not raw.isdigit():
+            problems.append(f"{key}={raw!r} is not a non-negative integer")
+        return int(raw) if raw.isdigit() else default
+
+    s = {"nnodes": num("NNODES", 1), "node_rank": num("NODE_RANK", 0),
+         "nproc": num("NPROC_PER_NODE", gpus or 2), "port": num("MASTER_PORT", 29500),
+         "workers": num("TRAIN_NUM_WORKERS", 2), "batch": num("TRAIN_BATCH_SIZE", 64)}
+    if s["nnodes"] < 1 or s["nproc"] < 1:
+        problems.append("NNODES and NPROC_PER_NODE must be >= 1")
+    if s["node_rank"] >= s["nnodes"]:
+        problems.append(f"NODE_RANK={s['node_rank']} must be < NNODES={s['nnodes']}")
+    return s, problems
+
+
+def check_shm(s: dict) -> Check:
+    # DataLoader workers hand batches over through /dev/shm; Docker's 64 MiB default kills them
+    # with "bus error". Rough need: ImageNet-sized float32 batches, prefetch_factor 2.
+    need = s["workers"] * s["batch"] * 3 * 224 * 224 * 4 * 2 * s["nproc"]
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return Check("shared memory", "warn", "/dev/shm not found", SHM_FIX)
+    size = st.f_frsize * st.f_blocks
+    low = size < 2 * need or (s["workers"] > 0 and size < GIB)
+    return _check("shared memory", "fail" if size < need else "warn" if low else "pass",
+                  f"/dev/shm {_size(size)}, need ~{_size(need)} "
+                  f"({s['workers']} workers x {s['nproc']} procs)", SHM_FIX)
+
+
+def check_ulimits() -> list[Check]:
+    import resource
+
+    inf = resource.RLIM_INFINITY
+    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    shown = {v: "unlimited" if v == inf else _size(v) for v in (memlock, stack)}
+    return [  # NCCL's RDMA and shared-memory transports pin host memory against memlock
+        _check("ulimit memlock", "pass" if memlock == inf else "warn", shown[memlock],
+               "ulimits: memlock: -1 (compose) / --ulimit memlock=-1 (docker run)"),
+        # 64 MiB is NVIDIA's recommended container stack size for CUDA workloads
+        _check("ulimit stack", "warn" if stack != inf and stack < 64 * MIB else "pass",
+               shown[stack], "ulimits: stack: 67108864 / --ulimit stack=67108864")]
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver should read as "no GPU", not crash the doctor
+        return 0
+
+
+def check_gpus(gpus: int, nproc: int) -> Check:
+    if gpus == 0:
+        return Check("GPUs", "pass", "no GPU: gloo on CPU")
+    return _check("GPUs", "fail" if nproc > gpus else "pass",
+                  f"{gpus} visible, NPROC_PER_NODE={nproc}",
+                  f"set NPROC_PER_NODE<={gpus} or expose more GPUs (gpus: all / --gpus all; "
+                  "check CUDA_VISIBLE_DEVICES)")
+
+
+def _iface_addrs() -> dict[str, list[str]] | None:
+    """Addresses per interface from `ip -o addr`; None when `ip` is unavailable."""
+    try:
+        out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True,
+                             timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    addrs: dict[str, list[str]] = {}
+    for f in (line.split() for line in out.splitlines()):
+        if len(f) >= 4 and f[2] in ("inet", "inet6"):  # names may read "eth0@if12" in containers
+            addrs.setdefault(f[1].split("@")[0], []).append(f[3].split("/")[0])
+    return addrs
+
+
+def _ipv4_ioctl(name: str) -> list[str]:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:  # SIOCGIFADDR
+            res = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return []
+    return [socket.inet_ntoa(res[20:24])]
+
+
+def _unusable(name: str, addrs: dict[str, list[str]] | None) -> str | None:
+    """Why other nodes could not reach us through `name`; None if it looks fine or is unknown."""
+    if name == "lo":
+        return "loopback"
+    found = addrs.get(name, []) if addrs is not None else _ipv4_ioctl(name)
+    if found and all(_is_loopback(a) for a in found):
+        return "loopback address only"
+    # The ioctl sees IPv4 only, so trust "no address" only when `ip` listed everything.
+    return "no address" if addrs is not None and not found else None
+
+
+def check_ifname(var: str, env: Mapping[str, str], nnodes: int, existing: list[str],
+                 addrs: dict[str, list[str]] | None) -> Check | None:
+    raw = env.get(var, "").strip()
+    if not raw:
+        return None
+    nccl = var.startswith("NCCL")
+    if nccl and raw.startswith("^"):  # an exclusion list may name interfaces that do not exist
+        return Check(var, "pass", f"{raw} (exclusion list, not checked)")
+    prefix = nccl and not raw.startswith("=")  # NCCL matches prefixes unless '='; gloo is exact
+    missing, matched = [], []
+    for n in filter(None, (n.strip() for n in raw.lstrip("=").split(","))):
+        hits = [i for i in existing if i == n or (prefix and i.startswith(n))]
+        matched += [i for i in hits if i not in matched]
+        missing += [] if hits else [n]
+    if missing:
+        return Check(var, "fail", f"{raw}: no interface {', '.join(missing)}",
+                     f"existing interfaces: {', '.join(existing)}")
+    bad = [f"{i} ({why})" for i in matched if (why := _unusable(i, addrs))] if nnodes > 1 else []
+    # Fail only when nothing reachable is left for NCCL/gloo to use.
+    status = "pass" if not bad else "fail" if len(bad) == len(matched) else "warn"
+    value = f"{raw}: {', '.join(bad)}" if bad else f"{raw} -> {', '.join(matched)}"
+    return _check(var, status, value, IFACE_FIX)
+
+
+def check_interfaces(env: Mapping[str, str], nnodes: int) -> list[Check]:
+    existing = [name for _, name in socket.if_nameindex()]
+    addrs = _iface_addrs()
+    rows = [c for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+            if (c := check_ifname(var, env, nnodes, existing, addrs))]
+    if rows or nnodes == 1:
+        return rows or [Check("socket interface", "pass", "auto (single node)")]
+    usable = [i for i in existing if not _unusable(i, addrs)]
+    return [Check("socket interface", "warn", "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME unset",
+                  f"set both to the interface that routes between nodes ({', '.join(usable)}); "
+                  "otherwise NCCL/gloo may pick docker0 or lo")]
+
+
+def check_master(env: Mapping[str, str], s: dict) -> list[Check]:
+    addr, port, multi = env.get("MASTER_ADDR", "").strip(), s["port"], s["nnodes"] > 1
+    if not addr and multi:
+        return [Check("MASTER_ADDR", "fail", "unset with NNODES>1",
+                      "set MASTER_ADDR to node 0's IP or hostname on every node")]
+    addr = addr or "127.0.0.1"
+    try:
+        ips = sorted({i[4][0] for i in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)})
+    except (OSError, UnicodeError) as e:
+        return [Check("MASTER_ADDR", "fail", f"{addr} does not resolve ({e})",
+                      "use node 0's IP, or a hostname every node resolves "
+                      "(extra_hosts (compose) / --add-host (docker run))")]
+    loop = multi and s["node_rank"] == 0 and all(_is_loopback(ip) for ip in ips)
+    rows = [_check("MASTER_ADDR", "warn" if loop else "pass", f"{addr} -> {', '.join(ips)}",
+                   "loopback: other hosts cannot reach it; use this host's routable IP/hostname")]
+    if s["node_rank"] == 0:  # node 0 hosts the rendezvous store; everyone else must reach it
+        return rows
+    try:
+        socket.create_connection((addr, port), timeout=2).close()
+        return rows + [Check("MASTER_PORT", "pass", f"{addr}:{port} reachable")]
+    except OSError as e:
+        return rows + [Check("MASTER_PORT", "fail", f"{addr}:{port} not reachable ({e})",
+                             "start node 0 first / open the port in the firewall")]
+
+
+def check_dir(name: str, var: str, path: str) -> Check:
+    # Never create the directory (a typo would leave litter): probe its nearest existing parent.
+    target = probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    fix = f"mount a writable volume there (not :ro) or set {var} to a writable path"
+    if not os.path.isdir(probe):
+        return Check(name, "fail", f"{path}: {probe} is not a directory", fix)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".trainer-doctor-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        return Check(name, "fail", f"{path}: not writable ({e.strerror})", fix)
+    free = shutil.disk_usage(probe).free
+    value = f"{path}: writable, {_size(free)} free" + (" (to be created)" * (probe != target))
+    return _check(name, "warn" if free < GIB else "pass", value,
+                  "free some space or use a bigger volume")
+
+
+def version_fingerprint() -> dict:
+    """Versions that must match on every rank; the trainer all-gathers this at start-up."""
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # NCCL missing from this build: report it as absent
+            pass
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
+            "python": platform.python_version()}
+
+
+def check_same_versions(fingerprints: list[dict]) -> str | None:
+    """One line naming which ranks (list index) differ in what; None when all are identical."""
+    diffs = []
+    for key in sorted({k for fp in fingerprints for k in fp}):
+        groups: dict[str, list[str]] = {}
+        for rank, fp in enumerate(fingerprints):
+            groups.setdefault(str(fp.get(key)), []).append(str(rank))
+        if len(groups) > 1:
+            diffs.append(f"{key} " + " vs ".join(
+                f"{v} on rank{'s' * (len(r) > 1)} {','.join(r)}" for v, r in groups.items()))
+    if not diffs:
+        return None
+    return f"version mismatch across ranks: {'; '.join(diffs)} (run the same image everywhere)"
+
+
+def run_checks(env: Mapping[str, str]) -> list[Check]:
+    gpus = _gpu_count()
+    s, problems = _settings(env, gpus)
+    topo = (f"NNODES={s['nnodes']} NODE_RANK={s['node_rank']} NPROC_PER_NODE={s['nproc']} "
+            f"(world size {s['nnodes'] * s['nproc']})")
+    fp = version_fingerprint()
+    return [
+        _check("topology", "fail" if problems else "pass", "; ".join(problems) or topo,
+               "fix those environment variables"),
+        check_shm(s), *check_ulimits(), check_gpus(gpus, s["nproc"]),
+        *check_interfaces(env, s["nnodes"]), *check_master(env, s),
+        check_dir("checkpoint dir", "TRAIN_CHECKPOINT_DIR",
+                  env.get("TRAIN_CHECKPOINT_DIR") or "./checkpoints"),
+        check_dir("log dir", "TRAIN_LOG_DIR", env.get("TRAIN_LOG_DIR") or "./runs"),
+        Check("versions", "pass", f"torch {fp['torch']}, CUDA {fp['cuda'] or 'none'}, "
+              f"NCCL {fp['nccl'] or 'n/a'}, Python {fp['python']}"),
+    ]
+
+
+def format_table(checks: list[Check]) -> str:
+    rows = [("check", "result", "value", "fix")]
+    rows += [(c.name, c.status.upper(), c.value, c.fix) for c in checks]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    rows.insert(1, tuple("-" * w for w in widths) + ("---",))
+    return "\n".join("  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]).rstrip()
+                     for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="trainer-doctor",
+        description="Preflight checks for distributed training; exits 1 if any check fails.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    checks = run_checks(os.environ)
+    failed = any(c.status == "fail" for c in checks)
+    if args.json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        n = {s: sum(c.status == s for c in checks) for s in ("pass", "warn", "fail")}
+        print(format_table(checks))
+        print(f"\n{n['pass']} passed, {n['warn']} warnings, {n['fail']} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""`trainer-launch`: the container entrypoint. Topology from the environment -> torchrun.
+
+    NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
+    MASTER_ADDR (127.0.0.1 on one node; required on several)  MASTER_PORT (29500)
+    MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
+
+Arguments after the launcher's own pass through to `python -m trainer`. The training options are
+validated here, before torchrun starts, so a mistake is one line and exit code 2, never a hang.
+The launcher then replaces itself with torchrun (exec), so signals reach torchrun directly.
+A container given RANK and WORLD_SIZE but no NNODES (one process per container) runs the worker itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from trainer.config import load_config
+from trainer.distributed import DEFAULT_MASTER_PORT
+from trainer.errors import UsageError, exit_on_usage_error
+
+DEFAULT_RDZV_TIMEOUT = 900
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    rdzv_timeout: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int, maximum: int | None = None) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        if default is None:
+            raise UsageError(name, "is not set", f"set {name} to a whole number")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(name, f"'{raw}' is not an integer", f"set {name} to a whole number") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+        raise UsageError(name, f"{value} is out of range", f"use a value {bounds}")
+    return value
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> LaunchPlan:
+    """gpu_count is called only when needed: importing torch to count GPUs takes seconds."""
+    nnodes = _int(env, "NNODES", 1, 1)
+    node_rank = _int(env, "NODE_RANK", 0, 0)
+    if node_rank >= nnodes:
+        raise UsageError("NODE_RANK", f"{node_rank} is not below NNODES {nnodes}",
+                         f"give each host a distinct NODE_RANK from 0 to {nnodes - 1}")
+    master_addr = env.get("MASTER_ADDR", "").strip()
+    if not master_addr:
+        if nnodes > 1:
+            raise UsageError("MASTER_ADDR", f"is required when NNODES={nnodes}",
+                             "set it to the address of the NODE_RANK=0 host, the same on every host")
+        master_addr = "127.0.0.1"
+    master_port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
+    max_restarts = _int(env, "MAX_RESTARTS", 0, 0)
+    rdzv_timeout = _int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
+    gpus = gpu_count()
+    nproc = _int(env, "NPROC_PER_NODE", gpus or 2, 1)
+    if gpus and nproc > gpus:
+        raise UsageError("NPROC_PER_NODE", f"{nproc} processes but only {gpus} GPUs are visible",
+                         f"set NPROC_PER_NODE to at most {gpus} (one process per GPU)")
+    return LaunchPlan(nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout)
+
+
+def torchrun_command(plan: LaunchPlan, trainer_args: Sequence[str]) -> list[str]:
+    """Static rendezvous at MASTER_ADDR:MASTER_PORT: NODE_RANK decides the ranks, so rank 0 is on host 0."""
+    return [
+        "torchrun",
+        f"--nnodes={plan.nnodes}",
+        f"--node-rank={plan.node_rank}",
+        f"--nproc-per-node={plan.nproc_per_node}",
+        f"--master-addr={plan.master_addr}",
+        f"--master-port={plan.master_port}",
+        f"--max-restarts={plan.max_restarts}",
+        f"--rdzv-conf=timeout={plan.rdzv_timeout}",
+        "-m", "trainer", *trainer_args,
+    ]
+
+
+def single_worker_command(trainer_args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "trainer", *trainer_args]
+
+
+def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
+                  gpu_count: Callable[[], int] = visible_gpus) -> list[str]:
+    """The command to exec; validates the topology and the training options on the way."""
+    if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
+        load_config(trainer_args, env, world_size=_int(env, "WORLD_SIZE", None, 1))
+        return single_worker_command(trainer_args)
+    plan = plan_from_env(env, gpu_count)
+    load_config(trainer_args, env, world_size=plan.world_size)
+    return torchrun_command(plan, trainer_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        print("\nTraining options (python -m trainer --help):")
+        os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
+    with exit_on_usage_error():
+        command = build_command(os.environ, args)
+    if os.environ.get("PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off"):
+        run_preflight()
+    print("+ " + shlex.join(command), file=sys.stderr, flush=True)
+    os.execvp(command[0], command)
+    return 0  # not reached
+
+
+def run_preflight() -> None:
+    from trainer.doctor import format_table, run_checks
+
+    checks = run_checks(os.environ)
+    failed = [c for c in checks if c.status == "fail"]
+    if failed or any(c.status == "warn" for c in checks):
+        print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)
+    if failed:
+        first = failed[0]
+        print(f"error: preflight: {first.name}: {first.value} ({first.fix}; PREFLIGHT=0 skips the checks)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""What the run tells its user: log lines, TensorBoard scalars, a progress bar, summary.json.
+
+Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.distributed import DistContext
+
+
+def setup_logging(ctx: DistContext) -> None:
+    level = logging.INFO if ctx.is_main else logging.WARNING
+    prefix = f"[rank {ctx.rank}] " if ctx.distributed else ""
+    logging.basicConfig(level=level, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+class Scalars:
+    """TensorBoard scalars on rank 0; silent elsewhere."""
+
+    def __init__(self, ctx: DistContext, log_dir: str, purge_step: int | None):
+        self.writer = None
+        if ctx.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a killed run wrote after its last checkpoint.
+            self.writer = SummaryWriter(log_dir, purge_step=purge_step)
+
+    def add(self, step: int, **values: float) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain periodic lines in container logs."""
+
+    def __init__(self, ctx: DistContext, total_steps: int, start_step: int):
+        self.bar = None
+        if ctx.is_main and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self.total = total_steps
+        self.enabled = ctx.is_main
+        self.last_step = start_step
+
+    def update(self, step: int, epoch: int, loss: float, lr: float, samples_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.last_step)
+            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", lr=f"{lr:.3g}", sps=f"{samples_per_s:.0f}")
+        elif self.enabled:
+            logging.info("epoch %d step %d/%d loss %.4f lr %.4g %.1f samples/s",
+                         epoch, step, self.total, loss, lr, samples_per_s)
+        self.last_step = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Throughput:
+    """Steady-state samples/s: the first `warmup` steps (allocator, cudnn, compile) are not counted."""
+
+    def __init__(self, samples_per_step: int, warmup: int, sync: Callable[[], None]):
+        self.samples_per_step, self.warmup, self.sync = samples_per_step, warmup, sync
+        self.steps_seen = 0
+        self.start: float | None = None
+        self.measured_steps = 0
+
+    def step(self) -> None:
+        self.steps_seen += 1
+        if self.steps_seen == self.warmup:
+            self.sync()  # once: queued GPU work must not count in the window
+            self.start = time.perf_counter()
+        elif self.start is not None:
+            self.measured_steps += 1
+
+    def samples_per_second(self) -> float | None:
+        if self.start is None or self.measured_steps == 0:
+            return None
+        self.sync()
+        return self.measured_steps * self.samples_per_step / (time.perf_counter() - self.start)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(temp, path)

@@ -1,0 +1,289 @@
+"""The training worker: set up, then one loop you can read top to bottom."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer import distributed
+from trainer.config import TrainConfig, load_config
+from trainer.distributed import DistContext
+from trainer.errors import UsageError, exit_on_usage_error
+
+log = logging.getLogger("trainer")
+WARMUP_STEPS_EXCLUDED = 5  # allocator, cudnn autotune and compile make the first steps slow
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    with exit_on_usage_error():
+        topology = distributed.detect_topology(os.environ)
+        cfg = load_config(argv, os.environ, topology.world_size)
+        ctx = distributed.setup(topology, cfg.backend, cfg.collective_timeout)
+    from trainer.checkpoint import CheckpointError
+    from trainer.metrics import setup_logging
+
+    setup_logging(ctx)
+    try:
+        with exit_on_usage_error():
+            check_same_software(ctx)
+            return train(cfg, ctx, started)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        distributed.teardown(ctx)
+
+
+def check_same_software(ctx: DistContext) -> None:
+    """Mismatched images across hosts fail here, clearly, instead of hanging in a collective."""
+    from trainer.doctor import check_same_versions, version_fingerprint
+
+    problem = check_same_versions(distributed.all_gather_objects(ctx, version_fingerprint()))
+    if problem:
+        raise UsageError("image", problem, "run the same trainer image on every host")
+
+
+def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
+    """Rank 0 computes (it owns the checkpoint disk); every rank gets the result, or the same error."""
+    outcome: tuple[str, Any] = ("ok", None)
+    if ctx.is_main:
+        try:
+            outcome = ("ok", fn())
+        except UsageError as err:
+            outcome = ("error", err.parts)
+    kind, value = distributed.broadcast_from_main(ctx, outcome)
+    if kind == "error":
+        raise UsageError(*value)
+    return value
+
+
+class GracefulStop:
+    """SIGTERM (docker stop, torchrun shutdown) or SIGINT: finish the step, checkpoint, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def _request(self, signum, _frame):
+        self.requested = True
+        log.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
+
+
+@dataclass
+class Position:
+    """Where training stands: the next micro-batch to read is `batch` of `epoch`."""
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+    resumed_from_step: int | None = None
+
+
+def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainer import checkpoint
+    from trainer.data import Batches, build_datasets
+    from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
+    from trainer.models import build_model, is_reconstruction, per_sample_loss
+    from trainer.optim import build_optimizer, build_scheduler
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+    elif cfg.amp != "off":
+        log.warning("--amp %s applies to CUDA only; training in fp32 on the CPU", cfg.amp)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if cuda else None
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+
+    train_data, val_data, spec = build_datasets(cfg, ctx)
+    train_batches = Batches(train_data, spec, cfg, ctx, train=True)
+    val_batches = Batches(val_data, spec, cfg, ctx, train=False) if val_data is not None and cfg.val_every else None
+    steps_per_epoch = train_batches.num_batches // cfg.grad_accum
+    if steps_per_epoch == 0:
+        raise UsageError("--batch-size", f"{train_batches.num_batches} batches per rank make no optimizer step of "
+                         f"{cfg.grad_accum} micro-batches", "lower --batch-size or --grad-accum, or use more data")
+    micro_per_epoch = steps_per_epoch * cfg.grad_accum
+    total_steps = steps_per_epoch * cfg.epochs
+    total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+
+    model = build_model(cfg.model, spec)
+    if cfg.sync_bn and ctx.distributed:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(ctx.device, memory_format=memory_format)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    scaler = torch.amp.GradScaler("cuda", enabled=cuda and cfg.amp == "fp16")
+
+    def snapshot(pos: Position) -> dict[str, Any]:
+        return {"format": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
+                "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(),
+                "rng": {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}}
+
+    def restore() -> Position:
+        found = on_main_then_share(ctx, lambda: checkpoint.load_for_resume(Path(cfg.checkpoint_dir), cfg.resume))
+        if found is None:
+            return Position()
+        state, path = found
+        saved = state["config"]
+        if (saved["model"], saved["dataset"]) != (cfg.model, cfg.dataset):
+            raise UsageError("--resume", f"{path} holds a {saved['model']} trained on {saved['dataset']}, this run is "
+                             f"a {cfg.model} on {cfg.dataset}", "use another --checkpoint-dir or --resume never")
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise UsageError("--resume", f"{path} does not fit this model ({str(err).splitlines()[0][:160]})",
+                             "use another --checkpoint-dir or --resume never") from None
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if cuda and state["rng"]["cuda"].numel():
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+        batch = state["batch"]
+        if state["samples_per_batch"] != cfg.batch_size * ctx.world_size:
+            batch = state["batch"] * state["samples_per_batch"] // (cfg.batch_size * ctx.world_size)
+            batch -= batch % cfg.grad_accum
+            log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
+                        "approximated (%d micro-batches in)", state["epoch"], batch)
+        log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
+        return Position(state["epoch"], batch, state["global_step"], state["global_step"])
+
+    position = restore()
+    ddp_model = model
+    if ctx.distributed:
+        ddp_model = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
+    forward = torch.compile(ddp_model) if cfg.compile else ddp_model
+
+    def autocast():
+        return torch.autocast("cuda", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+
+    def save(pos: Position) -> None:
+        if ctx.is_main:
+            path = checkpoint.save(Path(cfg.checkpoint_dir), pos.step, snapshot(pos), cfg.keep_checkpoints)
+            log.info("checkpoint committed: %s", path)
+        distributed.barrier(ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
+
+    def validate() -> dict[str, float]:
+        model.eval()
+        sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, count
+        with torch.no_grad(), autocast():
+            for inputs, labels in val_batches.epoch(0):
+                inputs = inputs.contiguous(memory_format=memory_format)
+                output = model(inputs)
+                sums[0] += per_sample_loss(cfg.model, output, inputs, labels).sum()
+                if not is_reconstruction(cfg.model):
+                    top5 = output.topk(min(5, output.shape[1]), dim=1).indices == labels[:, None]
+                    sums[1] += top5[:, 0].sum()
+                    sums[2] += top5.any(dim=1).sum()
+                sums[3] += len(labels)
+        model.train()
+        loss, correct1, correct5, count = distributed.all_reduce_sum(ctx, sums).tolist()
+        metrics = {"Loss/val": loss / count}
+        if not is_reconstruction(cfg.model):
+            metrics.update({"acc1/val": correct1 / count, "acc5/val": correct5 / count})
+        return metrics
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    scalars = Scalars(ctx, cfg.log_dir, purge_step=position.step + 1 if position.step else None)
+    progress = Progress(ctx, total_steps, position.step)
+    throughput = Throughput(cfg.samples_per_step, WARMUP_STEPS_EXCLUDED, sync)
+    stop = GracefulStop()
+    loss_sum = torch.zeros((), device=ctx.device)  # stays on the device: no per-step host sync
+    loss_count, train_loss, val_metrics = 0, None, {}
+    window_start, window_steps = time.perf_counter(), 0
+    step, status, epochs_completed = position.step, "completed", position.epoch
+    log.info("training %s on %s: world size %d (%s, %s), %d steps of %d samples, %d steps per epoch",
+             cfg.model, cfg.dataset, ctx.world_size, ctx.backend, ctx.device, total_steps, cfg.samples_per_step,
+             steps_per_epoch)
+
+    model.train()
+    for epoch in range(position.epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        epoch_start = time.perf_counter()
+        micro = position.batch if epoch == position.epoch else 0
+        for inputs, labels in train_batches.epoch(epoch, micro, micro_per_epoch):
+            micro += 1
+            boundary = micro % cfg.grad_accum == 0
+            skip_sync = ddp_model.no_sync() if ctx.distributed and not boundary else contextlib.nullcontext()
+            with skip_sync:
+                with autocast():
+                    inputs = inputs.contiguous(memory_format=memory_format)
+                    loss = per_sample_loss(cfg.model, forward(inputs), inputs, labels).mean()
+                scaler.scale(loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+            loss_count += 1
+            if not boundary:
+                continue
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            window_steps += 1
+            throughput.step()
+            if step == position.step + 1:
+                log.info("first step done %.1f s after the worker started", time.perf_counter() - started)
+            if step % cfg.log_every == 0 or step == total_steps:
+                train_loss = distributed.all_reduce_sum(ctx, loss_sum).item() / (loss_count * ctx.world_size)
+                now = time.perf_counter()
+                rate = window_steps * cfg.samples_per_step / (now - window_start)
+                lr = scheduler.get_last_lr()[0]
+                scalars.add(step, **{"Loss/train": train_loss, "lr": lr, "throughput/samples_per_s": rate})
+                progress.update(step, epoch, train_loss, lr, rate)
+                loss_sum.zero_()
+                loss_count, window_start, window_steps = 0, now, 0
+            epoch_done = micro == micro_per_epoch
+            if epoch_done:
+                epochs_completed = epoch + 1
+                if val_batches is not None and epochs_completed % cfg.val_every == 0:
+                    val_metrics = validate()
+                    scalars.add(step, **val_metrics)
+                    log.info("epoch %d validation: %s", epoch,
+                             ", ".join(f"{k} {v:.4f}" for k, v in val_metrics.items()))
+                scalars.add(step, **{"time/epoch_s": time.perf_counter() - epoch_start})
+            stopping = distributed.any_rank(ctx, stop.requested)
+            here = Position(epoch + 1, 0, step) if epoch_done else Position(epoch, micro, step)
+            if epoch_done or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) \
+                    or step == total_steps:
+                save(here)
+            if stopping:
+                status = "stopped"
+                break
+            if step >= total_steps:
+                break
+        if status == "stopped":
+            break
+
+    sync()
+    progress.close()
+    scalars.close()
+    summary = {
+        "status": status, "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+        "model": cfg.model, "dataset": cfg.dataset, "global_step": step, "epochs_completed": epochs_completed,
+        "samples_seen": step * cfg.samples_per_step, "samples_per_second": throughput.samples_per_second(),
+        "wall_seconds": time.perf_counter() - started, "train_loss": train_loss,
+        "val_loss": val_metrics.get("Loss/val"), "val_acc1": val_metrics.get("acc1/val"),
+        "val_acc5": val_metrics.get("acc5/val"), "resumed_from_step": position.resumed_from_step,
+    }
+    if ctx.is_main:
+        write_json_atomic(Path(cfg.log_dir) / "summary.json", summary)
+        log.info("%s at step %d: %s", status, step, Path(cfg.log_dir) / "summary.json")
+    return 0
