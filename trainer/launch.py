@@ -6,7 +6,8 @@
 
 Arguments after the launcher's own pass through to `python -m trainer`. The training options are
 validated here, before torchrun starts, so a mistake is one line and exit code 2, never a hang.
-The launcher then replaces itself with torchrun (exec), so signals reach torchrun directly.
+The launcher then replaces itself with torchrun (exec of trainer.supervisor, which is torchrun's own
+code in the same process), so signals reach torchrun directly.
 A container given RANK and WORLD_SIZE but no NNODES (one process per container) runs the worker itself.
 """
 
@@ -127,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get("PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off"):
         run_preflight()
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
+    if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
+        command = [sys.executable, "-m", "trainer.supervisor", *command[1:]]
     os.execvp(command[0], command)
     return 0  # not reached
 
