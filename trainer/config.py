@@ -73,6 +73,9 @@ class TrainConfig:
     seed: int = option(0, "random seed (the same on every rank)")
     backend: str = option("auto", "process-group backend; auto: nccl with a GPU, else gloo", ("auto", "nccl", "gloo"))
     collective_timeout: float = option(300.0, "seconds a collective may wait for a peer before the run fails")
+    local_sgd_period: int = option(0, "opt-in, changes numerics: after the LR warm-up, take local steps and "
+                                   "average parameters every K steps instead of all-reducing gradients "
+                                   "every step (post-local SGD; 0: off)")
 
     # Derived once the world size is known (not options).
     world_size: int = field(default=1, metadata={"derived": True})
@@ -187,7 +190,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
                           ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
                           ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
                           ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
-                          ("collective_timeout", 1)):
+                          ("collective_timeout", 1), ("local_sgd_period", 0)):
         if getattr(cfg, name) < minimum:
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
     if cfg.momentum >= 1:
@@ -209,6 +212,10 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file():
         raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
                          "give an existing checkpoint file, auto or never")
+    if cfg.resume == "never" and any(Path(cfg.checkpoint_dir).glob("step-*.pt")):
+        # Rotation keeps the highest steps: a fresh run there would lose its own checkpoints first.
+        raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
+                         "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto")
     if cfg.model == "autoencoder" and cfg.channels_last:
         raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
                          "drop --channels-last for --model autoencoder")

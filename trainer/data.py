@@ -13,6 +13,7 @@ Input paths:
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CROP_PADDING = 4
 SYNTHETIC_CLASSES = 10
+DOWNLOAD_STALL_TIMEOUT_S = 20  # seconds without a byte before a dataset download counts as failed
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -86,15 +88,28 @@ def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
             root = Path(self.root) / self.base_folder
             return all((root / name).is_file() for name, _ in self.train_list + self.test_list)
 
+        def _load_meta(self) -> None:  # the same trust for batches.meta (torchvision checks its md5)
+            import pickle
+
+            with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
     cls = {"cifar10": CIFAR10, "mnist": datasets.MNIST}[cfg.dataset]
     failure = None
     with local_main_first(ctx):  # one download per node, the other processes wait for it
         if ctx.is_local_main:
+            # torchvision opens URLs without a timeout: behind a firewall that drops packets the
+            # download would wait forever (and the other ranks with it) instead of failing.
+            previous_timeout = socket.getdefaulttimeout()
+            socket.setdefaulttimeout(DOWNLOAD_STALL_TIMEOUT_S)
             try:
                 cls(cfg.data_dir, train=True, download=True)
                 cls(cfg.data_dir, train=False, download=True)
             except Exception as err:  # noqa: BLE001 (network, permissions, read-only mount: all mean the same to the user)
                 failure = err
+            finally:
+                socket.setdefaulttimeout(previous_timeout)
     try:
         train, val = cls(cfg.data_dir, train=True), cls(cfg.data_dir, train=False)
     except Exception as err:  # noqa: BLE001
@@ -117,7 +132,11 @@ class _ImageFolderWithKeys(Dataset):
     def __init__(self, root: Path, train: bool, image_size: int, seed: int):
         from torchvision import datasets, transforms
 
-        self.folder = datasets.ImageFolder(str(root))
+        try:
+            self.folder = datasets.ImageFolder(str(root))
+        except OSError as err:  # no class folders, no images in them, or unreadable
+            raise UsageError("--data-dir", f"{root}: {str(err).splitlines()[0][:200]}",
+                             f"put images in {root}/<class>/ (.jpg, .png, ...) readable by this user") from None
         self.seed = seed
         resize = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
             transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]

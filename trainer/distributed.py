@@ -161,6 +161,23 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
     return DistContext(topology, backend, device, control)
 
 
+# gloo and the c10d store raise plain RuntimeErrors; these words tell a lost peer from a bug.
+_PEER_LOST = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|gloo|nccl|"
+                        r"socket|peer|store", re.IGNORECASE)
+
+
+def collective_failure(err: BaseException) -> str | None:
+    """One line saying how a collective or the process-group store failed; None for any other error."""
+    import torch.distributed as dist
+
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else type(err).__name__
+    if not (isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and _PEER_LOST.search(first))):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[source.cc:78] " prefix
+    return re.split(r"(?<=[.!?])\s+", first)[0][:300]  # gloo appends advice that ours replaces
+
+
 def teardown(ctx: DistContext) -> None:
     import torch.distributed as dist
 

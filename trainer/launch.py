@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from trainer.config import load_config
-from trainer.distributed import DEFAULT_MASTER_PORT
+from trainer.distributed import DEFAULT_MASTER_PORT, detect_topology
 from trainer.errors import UsageError, exit_on_usage_error
 
 DEFAULT_RDZV_TIMEOUT = 900
@@ -110,8 +111,9 @@ def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
                   gpu_count: Callable[[], int] = visible_gpus) -> list[str]:
     """The command to exec; validates the topology and the training options on the way."""
     if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
-        load_config(trainer_args, env, world_size=_int(env, "WORLD_SIZE", None, 1))
+        load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
         return single_worker_command(trainer_args)
+    load_config(trainer_args, env, world_size=1)  # all but the world-size checks, before counting GPUs loads torch
     plan = plan_from_env(env, gpu_count)
     load_config(trainer_args, env, world_size=plan.world_size)
     return torchrun_command(plan, trainer_args)
@@ -125,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     with exit_on_usage_error():
         command = build_command(os.environ, args)
+        if command[0] == "torchrun":
+            ensure_master_port_free(os.environ)
     if os.environ.get("PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off"):
         run_preflight()
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
@@ -132,6 +136,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, "-m", "trainer.supervisor", *command[1:]]
     os.execvp(command[0], command)
     return 0  # not reached
+
+
+def ensure_master_port_free(env: Mapping[str, str]) -> None:
+    """Node 0's torchrun hosts the rendezvous store on MASTER_PORT. A taken port would otherwise show
+    only after the rendezvous timeout, as a C++ error about the store."""
+    if _int(env, "NODE_RANK", 0, 0) != 0:
+        return
+    port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is no conflict
+        try:
+            sock.bind(("", port))
+        except OSError as err:
+            raise UsageError("MASTER_PORT", f"{port} cannot be used on this host ({err.strerror})",
+                             "stop what listens there (another NODE_RANK=0 launcher?) or choose a free "
+                             "MASTER_PORT, the same on every host") from None
 
 
 def run_preflight() -> None:

@@ -78,21 +78,29 @@ class Throughput:
         self.samples_per_step, self.warmup, self.sync = samples_per_step, warmup, sync
         self.steps_seen = 0
         self.start: float | None = None
+        self.end: float | None = None
         self.measured_steps = 0
 
-    def step(self) -> None:
+    def step(self, last: bool = False) -> None:
+        """last: the run's final step; the window closes there, before the final checkpoint is written."""
         self.steps_seen += 1
         if self.steps_seen == self.warmup:
             self.sync()  # once: queued GPU work must not count in the window
             self.start = time.perf_counter()
         elif self.start is not None:
             self.measured_steps += 1
+            if last:
+                self.sync()
+                self.end = time.perf_counter()
 
     def samples_per_second(self) -> float | None:
         if self.start is None or self.measured_steps == 0:
             return None
-        self.sync()
-        return self.measured_steps * self.samples_per_step / (time.perf_counter() - self.start)
+        end = self.end
+        if end is None:  # stopped before the last step: the window ends now
+            self.sync()
+            end = time.perf_counter()
+        return self.measured_steps * self.samples_per_step / (end - self.start)
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:

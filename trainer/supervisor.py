@@ -7,6 +7,7 @@ multi-line failure report the user reads which rank failed how, or why rendezvou
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -19,19 +20,42 @@ def _arg(args: list[str], name: str) -> str:
     return next((a[len(prefix):] for a in args if a.startswith(prefix)), "?")
 
 
+def _root_cause_first(item: tuple) -> tuple:
+    """The root cause failed first. Once one rank fails, torchrun SIGTERMs the rest, and a rank that is
+    already exiting over its lost peer dies of it; so within the same second (the timestamps' unit)
+    a rank killed from outside comes first, then one that exited with an error, then SIGTERM."""
+    rank, failure = item
+    code = failure.exitcode
+    kind = 2 if code == -signal.SIGTERM else 0 if code < 0 else 1
+    return failure.timestamp, kind, rank
+
+
 def describe_child_failure(failures: dict) -> tuple[str, int]:
     """(message, exit code) for torchrun's ChildFailedError.failures: {global rank: ProcessFailure}."""
-    rank, failure = min(failures.items())
+    rank, failure = min(failures.items(), key=_root_cause_first)
     code = failure.exitcode
     if code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
     others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-    return f"training failed: rank {rank} {how}{others}; its own error is printed above", (code if code > 0 else 1)
+    where = "its own error is printed above" if code > 0 else "the signal came from outside the trainer"
+    return f"training failed: rank {rank} {how}{others}; {where}", (code if code > 0 else 1)
+
+
+def _import_torch_quietly() -> None:
+    """The store client logs every connection retry with a C++ stack trace; our one line says it better.
+    Only this process is quieted: the workers inherit the user's TORCH_CPP_LOG_LEVEL, if any."""
+    user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "FATAL"
+    import torch  # noqa: F401 (c10 reads the level once, when it loads)
+
+    if user_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    _import_torch_quietly()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

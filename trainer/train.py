@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
+    except Exception as err:
+        what = distributed.collective_failure(err)
+        if what is None:
+            raise
+        print(f"error: collective: {what} (a peer rank died or stalled, or the network between hosts broke; "
+              "see the other ranks' logs; --collective-timeout sets the wait)", file=sys.stderr, flush=True)
+        return 1
     finally:
         distributed.teardown(ctx)
 
@@ -166,18 +173,27 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     ddp_model = model
     if ctx.distributed:
         ddp_model = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
+    local_sgd = None
+    if ctx.distributed and cfg.local_sgd_period:
+        from trainer.local_sgd import PeriodicAveraging
+
+        local_sgd = PeriodicAveraging(ddp_model, optimizer, cfg.local_sgd_period, cfg.warmup_steps, position.step)
     forward = torch.compile(ddp_model) if cfg.compile else ddp_model
 
     def autocast():
         return torch.autocast("cuda", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
 
     def save(pos: Position) -> None:
+        if local_sgd:
+            local_sgd.synchronise()  # the checkpoint holds rank 0's state: make it every rank's
         if ctx.is_main:
             path = checkpoint.save(Path(cfg.checkpoint_dir), pos.step, snapshot(pos), cfg.keep_checkpoints)
             log.info("checkpoint committed: %s", path)
         distributed.barrier(ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
     def validate() -> dict[str, float]:
+        if local_sgd:
+            local_sgd.synchronise()
         model.eval()
         sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, count
         with torch.no_grad(), autocast():
@@ -237,8 +253,10 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
+            if local_sgd:
+                local_sgd.after_step(step)
             window_steps += 1
-            throughput.step()
+            throughput.step(last=step == total_steps)
             if step == position.step + 1:
                 log.info("first step done %.1f s after the worker started", time.perf_counter() - started)
             if step % cfg.log_every == 0 or step == total_steps:

@@ -1,0 +1,192 @@
+"""Shared helpers for the trainer tests: real subprocesses, real files, read back the way a user would.
+
+Every run gets a clean environment (no inherited rank, Slurm or TRAIN_* variables, no GPU) with
+OMP_NUM_THREADS=1, and runs in a temporary directory so relative defaults (./runs, ./checkpoints,
+.env) never touch the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+# A run of a few steps takes seconds; this bound only turns a hang into a failure.
+RUN_TIMEOUT_S = 300
+# The spec says a bad setting fails within 5 s; on a loaded 2-core CI runner importing torch alone can
+# take that long, so the bound here is looser. What it catches is a hang: the rendezvous waits 900 s.
+BAD_INPUT_TIMEOUT_S = 30
+
+INHERITED_TOPOLOGY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MAX_RESTARTS", "RDZV_TIMEOUT",
+                      "PREFLIGHT", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment minus anything that would change the topology or the options."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in INHERITED_TOPOLOGY and not k.startswith(("TRAIN_", "SLURM_", "TORCHELASTIC_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the suite is CPU + gloo, the same on a GPU host
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def dirs_args(root: Path) -> list[str]:
+    """Where a run under `root` writes: <root>/runs and <root>/checkpoints."""
+    return ["--log-dir", str(root / "runs"), "--checkpoint-dir", str(root / "checkpoints")]
+
+
+def trainer_command(args: Sequence[str], nproc: int | None) -> list[str]:
+    """`python -m trainer` alone (nproc None) or under a real torchrun with nproc workers."""
+    if nproc is None:
+        return [sys.executable, "-m", "trainer", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), "-m", "trainer", *args]
+
+
+def run_trainer(args: Sequence[str], cwd: Path, nproc: int | None = None, env: Mapping[str, str] | None = None,
+                timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(trainer_command(args, nproc), cwd=cwd, env=clean_env(env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train_ok(args: Sequence[str], cwd: Path, nproc: int | None = None,
+             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = run_trainer(args, cwd, nproc, env)
+    assert result.returncode == 0, f"trainer exited {result.returncode}:\n{result.stderr[-4000:]}"
+    return result
+
+
+def assert_usage_error(result: subprocess.CompletedProcess, setting: str) -> str:
+    """The documented bad-input contract: exit 2, exactly one stderr line `error: <setting>: ...`."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, f"exit {result.returncode}, stderr:\n{result.stderr[-3000:]}"
+    assert len(lines) == 1, f"expected one stderr line, got:\n{result.stderr[-3000:]}"
+    assert lines[0].startswith(f"error: {setting}"), lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    return lines[0]
+
+
+def read_summary(log_dir: Path) -> dict:
+    return json.loads((log_dir / "summary.json").read_text())
+
+
+def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under log_dir: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()[SCALARS]}
+
+
+def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
+    """Steps of the committed checkpoints, oldest first."""
+    return sorted(int(p.stem.split("-")[1]) for p in checkpoint_dir.glob("step-*.pt"))
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def final_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The model state of the newest checkpoint (the trainer always checkpoints its last step)."""
+    newest = max(checkpoint_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return load_checkpoint(newest)["model"]
+
+
+def max_param_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def assert_same_params(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    unequal = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not unequal, f"{len(unequal)} tensors differ (max |diff| {max_param_difference(a, b):.3g}): {unequal[:5]}"
+
+
+def files_under(root: Path) -> set[Path]:
+    return {p.relative_to(root) for p in root.rglob("*")}
+
+
+# ------------------------------------------------------------------ dataset files in their real formats
+
+def _random_bytes(count: int, seed: int) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    return bytes(torch.randint(0, 256, (count,), generator=gen, dtype=torch.uint8).tolist())
+
+
+def write_cifar10(root: Path, per_batch: int = 8, test_size: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CIFAR-10 python layout (root/cifar-10-batches-py: 5 pickled train batches, test_batch,
+    batches.meta), tiny. Returns the train images (N x 3 x 32 x 32 uint8) and labels as written."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    import numpy as np
+
+    images, labels = [], []
+    for number, name in enumerate(["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4",
+                                   "data_batch_5", "test_batch"]):
+        count = test_size if name == "test_batch" else per_batch
+        data = np.frombuffer(_random_bytes(count * 3072, seed=number), dtype=np.uint8).reshape(count, 3072)
+        batch_labels = [(number + i) % 10 for i in range(count)]
+        with open(folder / name, "wb") as f:
+            pickle.dump({"batch_label": name, "labels": batch_labels, "data": data,
+                         "filenames": [f"{name}_{i}.png" for i in range(count)]}, f)
+        if name != "test_batch":
+            images.append(torch.from_numpy(data.copy()).view(count, 3, 32, 32))
+            labels += batch_labels
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"num_cases_per_batch": per_batch, "num_vis": 3072,
+                     "label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                                     "ship", "truck"]}, f)
+    return torch.cat(images), torch.tensor(labels)
+
+
+def write_mnist(root: Path, train_size: int = 32, test_size: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uncompressed MNIST idx files in root/MNIST/raw. Returns the train images (N x 28 x 28) and labels."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    written = {}
+    for prefix, count, seed in (("train", train_size, 0), ("t10k", test_size, 1)):
+        pixels = _random_bytes(count * 28 * 28, seed)
+        labels = bytes(i % 10 for i in range(count))
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, count, 28, 28) + pixels)
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, count) + labels)
+        written[prefix] = (torch.tensor(list(pixels), dtype=torch.uint8).view(count, 28, 28),
+                           torch.tensor(list(labels)))
+    return written["train"]
+
+
+def write_image_folder(root: Path, classes: Iterable[str] = ("cat", "dog"), per_class: dict | None = None) -> None:
+    """ImageNet-style root/train/<class>/*.png and root/val/<class>/*.png, small random images."""
+    from PIL import Image
+
+    per_class = per_class or {"train": 4, "val": 2}
+    seed = 0
+    for split, count in per_class.items():
+        for label, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                seed += 1
+                size = (40 + 8 * i, 36 + 4 * label)  # varied sizes: the resize/crop path has work to do
+                pixels = _random_bytes(size[0] * size[1] * 3, seed)
+                Image.frombytes("RGB", size, pixels).save(folder / f"{i}.png")

@@ -1,0 +1,132 @@
+"""Configuration: precedence flag > environment > .env > default, --help, and the bad-input contract."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from helpers import BAD_INPUT_TIMEOUT_S, assert_usage_error, dirs_args, files_under, free_port, run_trainer
+from trainer.config import OPTIONS, TrainConfig, env_name, flag_name, load_config
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "settings.env"
+    path.write_text("TRAIN_LR=0.3\nTRAIN_EPOCHS=7\nTRAIN_WARMUP_STEPS=11\nTRAIN_OPTIMIZER=adamw\n")
+    return path
+
+
+def test_precedence_flag_over_env_over_dotenv_over_default(env_file):
+    environ = {"TRAIN_LR": "0.2", "TRAIN_EPOCHS": "6"}
+    cfg = load_config(["--env-file", str(env_file), "--lr", "0.1"], environ, world_size=1)
+    assert cfg.lr == 0.1  # flag, env and .env all set it
+    assert cfg.epochs == 6  # env and .env
+    assert (cfg.warmup_steps, cfg.optimizer) == (11, "adamw")  # .env only
+    assert cfg.momentum == DEFAULTS["momentum"]  # nowhere
+    assert cfg.seed == DEFAULTS["seed"]
+
+
+def test_dotenv_does_not_override_the_real_environment_even_when_empty_elsewhere(env_file):
+    cfg = load_config(["--env-file", str(env_file)], {"TRAIN_OPTIMIZER": "sgd"}, world_size=1)
+    assert cfg.optimizer == "sgd"
+    assert cfg.lr == 0.3
+
+
+def test_default_env_file_is_dot_env_in_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("TRAIN_BATCH_SIZE=48\n")
+    assert load_config([], {}, world_size=1).batch_size == 48
+    assert load_config(["--batch-size", "12"], {}, world_size=1).batch_size == 12
+
+
+def test_defaults_without_any_source(tmp_path):
+    cfg = load_config(["--env-file", str(tmp_path / "absent.env")], {}, world_size=1)
+    assert {f.name: getattr(cfg, f.name) for f in OPTIONS} == {f.name: DEFAULTS[f.name] for f in OPTIONS}
+
+
+@pytest.mark.parametrize("raw, expected", [("true", True), ("1", True), ("on", True), ("false", False),
+                                           ("0", False), ("no", False)])
+def test_booleans_from_environment(tmp_path, raw, expected):
+    cfg = load_config(["--env-file", str(tmp_path / "absent.env")], {"TRAIN_CHANNELS_LAST": raw}, world_size=1)
+    assert cfg.channels_last is expected
+
+
+def test_bare_boolean_flag_means_true_and_beats_environment(tmp_path):
+    cfg = load_config(["--env-file", str(tmp_path / "absent.env"), "--sync-bn", "--compile", "false"],
+                      {"TRAIN_SYNC_BN": "0", "TRAIN_COMPILE": "1"}, world_size=1)
+    assert (cfg.sync_bn, cfg.compile) == (True, False)
+
+
+def test_global_batch_size_is_divided_by_world_size_and_grad_accum(tmp_path):
+    cfg = load_config(["--env-file", str(tmp_path / "absent.env"), "--global-batch-size", "256",
+                       "--grad-accum", "2"], {}, world_size=4)
+    assert (cfg.batch_size, cfg.world_size, cfg.samples_per_step) == (32, 4, 256)
+
+
+def test_help_lists_every_option_with_its_env_name(tmp_path):
+    result = run_trainer(["--help"], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # undo argparse's line wrapping
+    for f in OPTIONS:
+        assert flag_name(f.name) in text, f.name
+        assert f"env {env_name(f.name)}; default {f.default}" in text, f.name
+    assert "--env-file" in text
+
+
+# (arguments, environment, the setting the error must name)
+BAD_INPUTS = {
+    "non-numeric flag": (["--lr", "abc"], {}, "--lr"),
+    "non-integer flag": (["--batch-size", "2.5"], {}, "--batch-size"),
+    "non-numeric env": ([], {"TRAIN_EPOCHS": "many"}, "TRAIN_EPOCHS"),
+    "infinite lr": (["--lr", "inf"], {}, "--lr"),
+    "below range": (["--batch-size", "0"], {}, "--batch-size"),
+    "env below range": ([], {"TRAIN_KEEP_CHECKPOINTS": "1"}, "TRAIN_KEEP_CHECKPOINTS"),
+    "momentum 1 or more": (["--momentum", "1.5"], {}, "--momentum"),
+    "not a boolean": (["--channels-last", "maybe"], {}, "--channels-last"),
+    "unknown model": (["--model", "vgg"], {}, "--model"),
+    "unknown dataset": (["--dataset", "imagenet"], {}, "--dataset"),
+    "unknown optimizer in env": ([], {"TRAIN_OPTIMIZER": "lamb"}, "TRAIN_OPTIMIZER"),
+    "imagefolder without data": (["--dataset", "imagefolder", "--data-dir", "missing"], {}, "--data-dir"),
+    "indivisible global batch": (["--global-batch-size", "33", "--grad-accum", "2"], {}, "--global-batch-size"),
+    "missing resume file": (["--resume", "nowhere/step-00000001.pt"], {}, "--resume"),
+    "unknown flag": (["--bogus", "1"], {}, "arguments"),
+    "autoencoder channels-last": (["--model", "autoencoder", "--channels-last"], {}, "--channels-last"),
+}
+
+
+@pytest.mark.parametrize("args, environ, setting", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, environ, setting):
+    result = run_trainer([*args, *dirs_args(tmp_path)], tmp_path, env=environ, timeout=BAD_INPUT_TIMEOUT_S)
+    assert_usage_error(result, setting)
+    assert files_under(tmp_path) == set()
+
+
+def test_bad_value_in_dotenv_names_the_file(tmp_path):
+    (tmp_path / ".env").write_text("TRAIN_LR=fast\n")
+    result = run_trainer(dirs_args(tmp_path), tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    line = assert_usage_error(result, "TRAIN_LR")
+    assert ".env" in line
+    assert files_under(tmp_path) == {Path(".env")}
+
+
+def test_indivisible_global_batch_fails_before_the_process_group_forms(tmp_path):
+    # Rank 0 of a world of 2 whose peer never comes: a late check would wait in the rendezvous instead.
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    result = run_trainer(["--global-batch-size", "63", *dirs_args(tmp_path)], tmp_path, env=env,
+                         timeout=BAD_INPUT_TIMEOUT_S)
+    line = assert_usage_error(result, "--global-batch-size")
+    assert "world size 2" in line
+    assert files_under(tmp_path) == set()
+
+
+def test_nccl_without_gpu(tmp_path):  # the test environment hides any GPU
+    result = run_trainer(["--backend", "nccl", *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    line = assert_usage_error(result, "--backend")
+    assert "gloo" in line  # the fix it offers
+    assert files_under(tmp_path) == set()
+

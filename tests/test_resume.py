@@ -1,0 +1,104 @@
+"""Exact resume: a run stopped mid-epoch and resumed ends with the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from helpers import (RUN_TIMEOUT_S, assert_same_params, assert_usage_error, checkpoint_steps, clean_env, dirs_args,
+                     final_params, load_checkpoint, read_summary, run_trainer, train_ok, trainer_command)
+
+STEPS_PER_EPOCH = 1600 // (2 * 8)
+TOTAL_STEPS = 2 * STEPS_PER_EPOCH
+# Two epochs of 2 processes x 8 samples, a checkpoint every 30 steps (all kept): 30, 60, 90 are in
+# epoch 0, 100 ends it, 120, 150, 180 are in epoch 1.
+RUN = ["--model", "cnn", "--synthetic-size", "1600", "--batch-size", "8", "--epochs", "2", "--lr", "0.05",
+       "--warmup-steps", "10", "--checkpoint-every", "30", "--keep-checkpoints", "20", "--log-every", "10",
+       "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    train_ok([*RUN, *dirs_args(root)], root, nproc=2)
+    assert read_summary(root / "runs")["global_step"] == TOTAL_STEPS
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [30, 150], ids=["epoch-0", "epoch-1"])
+def test_resume_from_a_mid_epoch_checkpoint(uninterrupted, tmp_path, step):
+    saved = load_checkpoint(uninterrupted / "checkpoints" / f"step-{step:08d}.pt")
+    assert (saved["epoch"], saved["batch"]) == divmod(step, STEPS_PER_EPOCH)  # really mid-epoch
+    copy = tmp_path / "from" / f"step-{step:08d}.pt"
+    copy.parent.mkdir()
+    shutil.copy(uninterrupted / "checkpoints" / copy.name, copy)
+
+    train_ok([*RUN, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["resumed_from_step"], summary["global_step"]) == (step, TOTAL_STEPS)
+    assert summary["status"] == "completed"
+    assert_same_params(final_params(tmp_path / "checkpoints"), final_params(uninterrupted / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_sigterm_mid_training_then_rerun_resumes_exactly(uninterrupted, tmp_path):
+    """docker stop / a pre-empted node: torchrun gets SIGTERM; the same command run again finishes the job."""
+    checkpoints = tmp_path / "checkpoints"
+    command = trainer_command([*RUN, *dirs_args(tmp_path)], nproc=2)
+    torchrun = subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not checkpoint_steps(checkpoints) and torchrun.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        torchrun.send_signal(signal.SIGTERM)
+        _, stderr = torchrun.communicate(timeout=RUN_TIMEOUT_S)
+    finally:  # on a failure, leave no worker behind: they share torchrun's new session
+        if torchrun.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(torchrun.pid, signal.SIGKILL)
+    stopped = read_summary(tmp_path / "runs")
+    assert stopped["status"] == "stopped", stderr[-3000:]
+    stop_step = stopped["global_step"]
+    assert 30 <= stop_step < TOTAL_STEPS
+    assert max(checkpoint_steps(checkpoints)) == stop_step  # the graceful stop committed its step
+
+    train_ok([*RUN, *dirs_args(tmp_path)], tmp_path, nproc=2)  # the same command: --resume auto
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["status"], summary["global_step"]) == ("completed", TOTAL_STEPS)
+    assert summary["resumed_from_step"] == stop_step
+    assert summary["samples_seen"] == TOTAL_STEPS * 16
+    assert_same_params(final_params(checkpoints), final_params(uninterrupted / "checkpoints"))
+
+
+def test_checkpoint_of_another_model_is_refused(uninterrupted, tmp_path):
+    cnn_checkpoint = uninterrupted / "checkpoints" / "step-00000030.pt"
+    result = run_trainer(["--model", "autoencoder", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
+                          "--resume", str(cnn_checkpoint), "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+    line = assert_usage_error(result, "--resume")
+    assert "cnn" in line and "autoencoder" in line
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_resume_never_refuses_a_folder_holding_another_runs_checkpoints(uninterrupted, tmp_path):
+    # Rotation keeps the highest steps, so a fresh run there would delete its own checkpoints first.
+    shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "2",
+                          "--resume", "never", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+    assert "another run" in assert_usage_error(result, "--resume")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_resume_never_starts_fresh(tmp_path):
+    train_ok(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "2", "--resume", "never",
+              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["resumed_from_step"], summary["global_step"]) == (None, 2)

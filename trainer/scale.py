@@ -1,0 +1,177 @@
+"""`trainer-scale`: does adding processes (GPUs, or CPU processes) make training faster?
+
+    trainer-scale --max-procs 4 --out scaling -- --model resnet50 --amp bf16
+
+Runs the trainer under torchrun at 1, 2, ... N processes with the same per-process batch, for
+--steps steps each (the first 5 are not timed), interleaving the process counts over --repeats
+rounds and taking medians. Writes <out>/scaling.md (processes, samples/s, speed-up, efficiency),
+scaling.png and scaling.json. Efficiency is speed-up / (processes / baseline processes): near 1.0
+more processes pay off; well below it (say 0.7) the run is communication-bound and more GPUs
+mostly add cost. Everything after `--` goes to the trainer.
+
+Across nodes: run the trainer with trainer-launch at NNODES=1, 2, 4 ... (same per-process batch),
+then `trainer-scale --from-summaries run1/summary.json run2/summary.json ... --out scaling`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.config import load_config
+from trainer.errors import UsageError, exit_on_usage_error
+from trainer.train import WARMUP_STEPS_EXCLUDED
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="trainer-scale", description=__doc__.split("\n\n")[0],
+                                     epilog="Details: docs/benchmarks.md")
+    parser.add_argument("--max-procs", type=int, default=None, help="largest process count (default: visible GPUs, or 2)")
+    parser.add_argument("--steps", type=int, default=40, help=f"steps per run (the first {WARMUP_STEPS_EXCLUDED} are not timed)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median counts")
+    parser.add_argument("--out", type=Path, default=Path("scaling"), help="output folder (default ./scaling)")
+    parser.add_argument("--from-summaries", nargs="+", type=Path, metavar="SUMMARY_JSON",
+                        help="build the report from finished runs' summary.json files instead of running")
+    args = parser.parse_args(own)
+    if args.steps <= WARMUP_STEPS_EXCLUDED + 1:
+        raise UsageError("--steps", f"{args.steps} leaves no timed steps", f"use more than {WARMUP_STEPS_EXCLUDED + 1}")
+    if args.repeats < 1 or (args.max_procs is not None and args.max_procs < 1):
+        raise UsageError("--repeats/--max-procs", "must be at least 1", "give a positive number")
+    return args, trainer_args
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run_command(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) -> list[str]:
+    """Timing-friendly defaults first (no validation or checkpoints mid-window); the user's args win."""
+    cfg = load_config(trainer_args, os.environ, world_size=nproc)  # a bad option fails here, in one line
+    samples = steps * cfg.batch_size * cfg.grad_accum * nproc  # one epoch covers the run: no epoch-end work
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "trainer", "--max-steps", str(steps), "--synthetic-size", str(max(samples, 1)),
+            "--val-every", "0", "--checkpoint-every", "0", "--log-every", str(steps), "--resume", "never",
+            *trainer_args, "--log-dir", str(run_dir / "runs"), "--checkpoint-dir", str(run_dir / "checkpoints")]
+
+
+def measure(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # the same threads per process at every count (torchrun sets 1 only for >1)
+    command = run_command(nproc, steps, trainer_args, run_dir)
+    print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
+    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a model per run adds up; the summary is kept
+    if done.returncode != 0:
+        raise SystemExit(f"error: the {nproc}-process run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return read_summary(run_dir / "runs" / "summary.json", f"the {nproc}-process run")
+
+
+def read_summary(path: Path, setting: str = "--from-summaries") -> dict:
+    try:
+        summary = json.loads(path.read_text())
+        return {"processes": int(summary["world_size"]), "samples_per_second": float(summary["samples_per_second"]),
+                "model": summary.get("model"), "device": summary.get("device"), "summary": str(path.resolve())}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(setting, f"{path} is not a finished run's summary.json ({type(err).__name__}: {err})",
+                         "give the summary.json of runs that completed more than 5 steps") from None
+
+
+def analyse(runs: list[dict]) -> list[dict]:
+    """One row per process count: median samples/s, and speed-up and efficiency against the smallest count."""
+    counts = sorted({r["processes"] for r in runs})
+    rows = []
+    for n in counts:
+        values = [r["samples_per_second"] for r in runs if r["processes"] == n]
+        rows.append({"processes": n, "samples_per_second": statistics.median(values),
+                     "min": min(values), "max": max(values), "runs": len(values)})
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = row["samples_per_second"] / base["samples_per_second"]
+        row["efficiency"] = row["speedup"] / (row["processes"] / base["processes"])
+    return rows
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    lines = [f"{title}", "", "| processes | samples/s (median) | min-max | runs | speed-up | efficiency |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['processes']} | {r['samples_per_second']:.1f} | {r['min']:.1f}-{r['max']:.1f} | {r['runs']} "
+              f"| {r['speedup']:.2f}x | {r['efficiency']:.2f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], title: str, path: Path) -> bool:
+    """The PNG; False (and a note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'ddp-trainer[bench]'): "
+              "wrote the table and JSON, no plot", file=sys.stderr)
+        return False
+    procs = [r["processes"] for r in rows]
+    base = rows[0]
+    ideal = [base["samples_per_second"] * n / base["processes"] for n in procs]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=100)
+    ax.plot(procs, ideal, "--", color="grey", label="ideal (linear)")
+    ax.plot(procs, [r["samples_per_second"] for r in rows], "o-", label="measured (median)")
+    for r in rows:
+        ax.annotate(f"{r['efficiency']:.2f}", (r["processes"], r["samples_per_second"]),
+                    textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+    ax.set(xlabel="processes", ylabel="samples/s", xticks=procs, title=title)
+    ax.title.set_fontsize(9)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_report(runs: list[dict], out: Path, command: str, trainer_args: list[str]) -> list[dict]:
+    rows = analyse(runs)
+    model = runs[0].get("model") or "model"
+    title = f"{model}, {runs[0].get('device') or ''}: efficiency = speed-up / processes"
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, f"`{command}`")
+    (out / "scaling.md").write_text(table)
+    payload = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "command": command,
+               "trainer_args": trainer_args, "rows": rows, "runs": runs}
+    (out / "scaling.json").write_text(json.dumps(payload, indent=2) + "\n")
+    plotted = plot(rows, title, out / "scaling.png")
+    print(table + f"\nwritten: {out / 'scaling.md'}, {out / 'scaling.json'}" + (f", {out / 'scaling.png'}" if plotted else ""))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["trainer-scale", *argv])
+    with exit_on_usage_error():
+        args, trainer_args = parse_args(argv)
+        if args.from_summaries:
+            write_report([read_summary(p) for p in args.from_summaries], args.out, command, trainer_args)
+            return 0
+        max_procs = args.max_procs or visible_gpus() or 2
+        runs = []
+        for repeat in range(args.repeats):  # interleaved: a noisy neighbour slows every count alike
+            for nproc in range(1, max_procs + 1):
+                runs.append(measure(nproc, args.steps, trainer_args, args.out / "runs" / f"{nproc}p-{repeat + 1}"))
+        write_report(runs, args.out, command, trainer_args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
