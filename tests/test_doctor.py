@@ -105,11 +105,11 @@ def test_loopback_master_on_node0_warns():
     assert row(run_checks(env), "MASTER_ADDR").status == "warn"
 
 
-def test_unreachable_master_port_fails():
+def test_unreachable_master_port_warns():
     env = {**NO_WORKERS, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     port = row(run_checks(env), "MASTER_PORT")
-    assert port.status == "fail" and "start node 0 first" in port.fix
+    assert port.status == "warn" and "start node 0 first" in port.fix
 
 
 def test_listening_master_port_passes():

@@ -97,6 +97,10 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
         try:
             return load(path), path
         except Exception as err:  # noqa: BLE001
-            log.warning("checkpoint %s does not load (%s: %s); trying the previous one",
-                        path, type(err).__name__, str(err).splitlines()[0][:160])
+            # Set aside, not deleted (someone may want to inspect it), and out of the rotation, which
+            # would otherwise keep this highest step and delete the good checkpoints below it.
+            aside = path.with_name(path.name + ".corrupt")
+            path.rename(aside)
+            log.warning("checkpoint %s does not load (%s: %s); moved to %s, trying the previous one",
+                        path, type(err).__name__, str(err).splitlines()[0][:160], aside.name)
     return None

@@ -155,8 +155,18 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
                           RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
                           LOCAL_RANK=str(topology.local_rank))
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method="env://", timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    device_id = device if backend == "nccl" else None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
+        # torchrun's static rendezvous keeps one store across restarts of the worker group, so the
+        # killed group's gloo addresses are still in it: a restarted rank would dial a dead peer.
+        # A key prefix per attempt gives each group a clean slate.
+        store = dist.TCPStore(topology.master_addr, topology.master_port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"trainer/attempt-{attempt}", store),
+                                rank=topology.rank, world_size=topology.world_size, timeout=timeout,
+                                device_id=device_id)
+    else:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(topology, backend, device, control)
 

@@ -16,7 +16,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # One fused kernel per tensor instead of several passes: the same update rule (equal up to float
-    # rounding), and on the CPU the for-loop default costs ~15% of a ResNet-18 step.
+    # rounding); on the CPU the default per-tensor loop costs ~5% more per ResNet-18 step (docs/benchmarks.md).
     fused = next(model.parameters()).device.type in ("cpu", "cuda")
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), fused=fused)

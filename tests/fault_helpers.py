@@ -1,0 +1,142 @@
+"""Real launcher and worker processes for the fault tests: start them, find them, signal them.
+
+A `Launch` is `python -m trainer.launch` in a clean environment with its output in a file. The
+launcher becomes torchrun in the same process, so its PID is torchrun's and the workers are its
+children; they are found by scanning /proc (rank from each worker's environment), no psutil needed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from helpers import clean_env
+
+POLL_S = 0.05
+# Bounds on waits below turn a hang into a failure; they are not speed goals. A loaded 2-core CI
+# runner needs seconds just to import torch in every process.
+START_BOUND_S = 120
+
+
+def tiny_run(root: Path, samples: int = 2400, epochs: int = 1, every: int = 10) -> list[str]:
+    """A small CNN run that checkpoints often, with its files under root."""
+    return ["--model", "cnn", "--synthetic-size", str(samples), "--batch-size", "16", "--epochs", str(epochs),
+            "--checkpoint-every", str(every), "--log-every", str(every), "--warmup-steps", "5",
+            "--checkpoint-dir", str(root / "checkpoints"), "--log-dir", str(root / "runs")]
+
+
+def wait_until(condition: Callable[[], object], bound_s: float, what: str):
+    """Poll until condition() is truthy and return it; fail naming `what` after bound_s."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(POLL_S)
+    raise AssertionError(f"not within {bound_s:.0f} s: {what}")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _rank_of_worker(pid: int) -> int | None:
+    """The RANK torchrun gave a `python -m trainer` worker; None for any other process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if b"-m" not in argv or argv[argv.index(b"-m") + 1:][:1] != [b"trainer"]:
+        return None
+    ranks = [int(item[5:]) for item in environ if item.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("step-*.pt")) if directory.is_dir() else []
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+class Launch:
+    """`python -m trainer.launch <args>` (or under a prefix such as `ip netns exec ns`), output to a file."""
+
+    def __init__(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], name: str = "launch",
+                 prefix: Sequence[str] = ()):
+        self.log_path = cwd / f"{name}.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainer.launch", *args], cwd=cwd,
+                                         env=clean_env(env), stdout=log, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of the workers running now."""
+        found = {}
+        for pid in children(self.pid):
+            rank = _rank_of_worker(pid)
+            if rank is not None and running(pid):
+                found[rank] = pid
+        return found
+
+    def wait(self, bound_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher still running after {bound_s:.0f} s:\n{self.output()[-4000:]}") from None
+
+    def stop_everything(self) -> None:
+        """Cleanup after a failed test: this launcher and the processes it started, by PID."""
+        for pid in [*descendants(self.pid), self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+def launcher_env(port: int, **extra: str) -> dict[str, str]:
+    """One node, two CPU workers, no preflight (test_doctor covers it), on a port of its own."""
+    return {"PREFLIGHT": "0", "NPROC_PER_NODE": "2", "MASTER_PORT": str(port), **extra}

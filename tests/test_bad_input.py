@@ -1,0 +1,234 @@
+"""The bad-input table: mistakes in flags, the environment, .env, the launcher's environment and files on
+disk. Each must end the run at once with exit code 2 and one line `error: <setting>: <problem> (<fix>)`,
+no traceback, and leave the working directory (its checkpoints above all) exactly as it was.
+
+Most rows go through the launcher (what the container runs), the rest through the worker itself.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from fault_helpers import tiny_run, wait_until
+from helpers import clean_env, free_port
+
+# The product's goal is 5 s. Importing torch alone takes 2 s on an idle machine and up to 8 s on this
+# loaded 2-core runner, so the bound is looser: what it must catch is a hang (rendezvous waits 900 s).
+FAIL_FAST_BOUND_S = 15
+LAUNCH = [sys.executable, "-m", "trainer.launch"]
+WORKER = [sys.executable, "-m", "trainer"]
+BASE_ARGS = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def cnn_checkpoint(tmp_path_factory) -> Path:
+    """A real checkpoint of a small CNN, written by the trainer."""
+    root = tmp_path_factory.mktemp("cnn")
+    result = subprocess.run([*WORKER, *tiny_run(root, samples=64), "--max-steps", "1"], cwd=root,
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "checkpoints" / "step-00000001.pt"
+
+
+@dataclass(frozen=True)
+class BadInput:
+    command: list[str]
+    setting: str  # what the error line names, right after "error: "
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    dotenv: str | None = None  # contents of ./.env
+    files: Callable[[Path], None] | None = None  # puts bad files on disk (cwd given)
+
+
+def launcher(setting: str, *args: str, preflight: bool = False, **env: str) -> BadInput:
+    return BadInput(LAUNCH, setting, args, {"PREFLIGHT": "1" if preflight else "0", "NPROC_PER_NODE": "2",
+                                            "TRAIN_NUM_WORKERS": "0", **env})
+
+
+def worker(setting: str, *args: str, **env: str) -> BadInput:
+    return BadInput(WORKER, setting, args, env)
+
+
+def garbage_checkpoint(cwd: Path) -> None:
+    (cwd / "garbage.pt").write_bytes(bytes(range(256)) * 64)
+
+
+def empty_image_folder(cwd: Path) -> None:
+    (cwd / "images" / "train").mkdir(parents=True)
+
+
+def blocking_file(cwd: Path) -> None:
+    (cwd / "not-a-dir").write_text("a file where a directory should be\n")
+
+
+TABLE = {
+    # launcher environment: the topology
+    "NNODES zero": launcher("NNODES", NNODES="0"),
+    "NNODES not an integer": launcher("NNODES", NNODES="two"),
+    "NODE_RANK not below NNODES": launcher("NODE_RANK", NNODES="2", NODE_RANK="2", MASTER_ADDR="127.0.0.1"),
+    "NODE_RANK negative": launcher("NODE_RANK", NODE_RANK="-1"),
+    "MASTER_PORT 70000": launcher("MASTER_PORT", MASTER_PORT="70000"),
+    "MASTER_PORT not a number": launcher("MASTER_PORT", MASTER_PORT="http"),
+    "MASTER_ADDR missing with two nodes": launcher("MASTER_ADDR", NNODES="2", NODE_RANK="1"),
+    "MAX_RESTARTS negative": launcher("MAX_RESTARTS", MAX_RESTARTS="-1"),
+    "RDZV_TIMEOUT zero": launcher("RDZV_TIMEOUT", RDZV_TIMEOUT="0"),
+    "NPROC_PER_NODE zero": launcher("NPROC_PER_NODE", NPROC_PER_NODE="0"),
+    "RANK not an integer (one process per container)": launcher("RANK", RANK="x", WORLD_SIZE="2"),
+    # launcher: training flags it validates before torchrun starts
+    "negative lr": launcher("--lr", "--lr", "-0.1"),
+    "momentum 1.5": launcher("--momentum", "--momentum", "1.5"),
+    "unknown optimizer": launcher("--optimizer", "--optimizer", "lamb"),
+    "amp fp8": launcher("--amp", "--amp", "fp8"),
+    "keep one checkpoint": launcher("--keep-checkpoints", "--keep-checkpoints", "1"),
+    "zero collective timeout": launcher("--collective-timeout", "--collective-timeout", "0"),
+    "global batch not divisible by the world": launcher("--global-batch-size", "--global-batch-size", "33"),
+    "unknown flag": launcher("arguments", "--learning-rate", "0.1"),
+    "missing resume checkpoint": launcher("--resume", "--resume", "checkpoints/step-00000099.pt"),
+    "imagefolder without a data dir": launcher("--data-dir", "--dataset", "imagefolder", "--data-dir", "nowhere"),
+    # launcher: training settings from the environment and from .env
+    "TRAIN_LR not a number": launcher("TRAIN_LR", TRAIN_LR="fast"),
+    "TRAIN_CHANNELS_LAST not a boolean": launcher("TRAIN_CHANNELS_LAST", TRAIN_CHANNELS_LAST="maybe"),
+    ".env momentum 1.5": BadInput(LAUNCH, "TRAIN_MOMENTUM (in .env)", env={"PREFLIGHT": "0"},
+                                  dotenv="TRAIN_MOMENTUM=1.5\n"),
+    ".env empty value": BadInput(LAUNCH, "TRAIN_WARMUP_STEPS (in .env)", env={"PREFLIGHT": "0"},
+                                 dotenv="TRAIN_WARMUP_STEPS=\n"),
+    ".env not text": BadInput(WORKER, "--env-file", dotenv="TRAIN_LR=\udcff\n"),
+    # launcher: preflight (trainer-doctor) failures
+    "GLOO_SOCKET_IFNAME names no interface": launcher("preflight: GLOO_SOCKET_IFNAME", preflight=True,
+                                                      GLOO_SOCKET_IFNAME="nosuch0"),
+    "checkpoint dir is a file": BadInput(LAUNCH, "preflight: checkpoint dir",
+                                         env={"TRAIN_CHECKPOINT_DIR": "not-a-dir", "TRAIN_NUM_WORKERS": "0"},
+                                         files=blocking_file),
+    # the worker itself: rank facts and files on disk
+    "RANK not an integer": worker("RANK", RANK="x", WORLD_SIZE="2"),
+    "RANK not below WORLD_SIZE": worker("RANK", RANK="2", WORLD_SIZE="2"),
+    "WORLD_SIZE zero": worker("WORLD_SIZE", RANK="0", WORLD_SIZE="0"),
+    "garbage checkpoint": BadInput(WORKER, "--resume", ("--resume", "garbage.pt"), files=garbage_checkpoint),
+    "imagefolder without class folders": BadInput(WORKER, "--data-dir", ("--dataset", "imagefolder", "--data-dir",
+                                                                         "images"), files=empty_image_folder),
+    "data dir is a file": BadInput(WORKER, "--data-dir", ("--dataset", "cifar10", "--data-dir", "not-a-dir"),
+                                   files=blocking_file),
+    "too little data for one step": worker("--batch-size", "--synthetic-size", "8"),
+}
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int] | None]:
+    """Every file under root with its size and modification time, and every directory.
+    (A directory's own mtime is left out: trainer-doctor probes writability with a temp file.)"""
+    return {str(p.relative_to(root)): None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*")}
+
+
+def run_bad(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=cwd, env=clean_env(env), capture_output=True, text=True,
+                            timeout=FAIL_FAST_BOUND_S * 4)
+    return result, time.monotonic() - started
+
+
+def assert_fails_fast_with_one_line(result: subprocess.CompletedProcess, took: float, setting: str,
+                                    extra_lines_allowed: bool = False) -> str:
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output[-3000:]
+    assert result.returncode == 2, f"exit {result.returncode}:\n{output[-3000:]}"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
+    if not extra_lines_allowed:
+        assert result.stderr.strip() == errors[0], result.stderr[-3000:]
+    assert re.fullmatch(rf"error: {re.escape(setting)}: .+ \(.+\)", errors[0]), errors[0]
+    assert took < FAIL_FAST_BOUND_S, f"took {took:.1f} s"
+    return errors[0]
+
+
+@pytest.fixture
+def workdir(tmp_path, cnn_checkpoint) -> Path:
+    """A working directory that already holds a committed checkpoint, which a bad start must not touch."""
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copy2(cnn_checkpoint, tmp_path / "checkpoints" / cnn_checkpoint.name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", TABLE.values(), ids=TABLE.keys())
+def test_bad_input_fails_fast_with_one_line_and_writes_nothing(workdir, case: BadInput):
+    if case.dotenv is not None:
+        (workdir / ".env").write_bytes(case.dotenv.encode("utf-8", "surrogateescape"))
+    if case.files is not None:
+        case.files(workdir)
+    env = {"MASTER_PORT": str(free_port()), **case.env}
+    before = snapshot(workdir)
+    result, took = run_bad([*case.command, *BASE_ARGS, *case.args], workdir, env)
+    assert_fails_fast_with_one_line(result, took, case.setting,
+                                    extra_lines_allowed=case.setting.startswith("preflight: "))
+    assert snapshot(workdir) == before
+
+
+def test_checkpoint_of_another_model(workdir, cnn_checkpoint):
+    before = snapshot(workdir)
+    result, took = run_bad([*WORKER, *BASE_ARGS, "--model", "cifar_resnet18", "--resume", str(cnn_checkpoint)],
+                           workdir, {})
+    line = assert_fails_fast_with_one_line(result, took, "--resume")
+    assert "holds a cnn trained on synthetic, this run is a cifar_resnet18" in line
+    assert snapshot(workdir) == before
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_master_port_in_use(workdir, taken_port):
+    before = snapshot(workdir)
+    result, took = run_bad([*LAUNCH, *BASE_ARGS], workdir,
+                           {"PREFLIGHT": "0", "NPROC_PER_NODE": "2", "MASTER_PORT": str(taken_port)})
+    line = assert_fails_fast_with_one_line(result, took, "MASTER_PORT")
+    assert f"{taken_port} cannot be used on this host" in line
+    assert snapshot(workdir) == before
+
+
+def test_duplicate_node_rank_zero_on_one_host(workdir):
+    """Two launchers both claiming NODE_RANK=0 of the same job: the second fails at once, naming the port."""
+    port = free_port()
+    topology = {"PREFLIGHT": "0", "NPROC_PER_NODE": "1", "NNODES": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "RDZV_TIMEOUT": "120"}
+    first = subprocess.Popen([*LAUNCH, *BASE_ARGS, "--checkpoint-dir", "first"], cwd=workdir,
+                             env=clean_env({**topology, "NODE_RANK": "0"}), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        def listening() -> bool:
+            with socket.socket() as probe:
+                return probe.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, 120, "the first node 0 to host the rendezvous")
+        before = snapshot(workdir)
+        result, took = run_bad([*LAUNCH, *BASE_ARGS], workdir, {**topology, "NODE_RANK": "0"})
+        line = assert_fails_fast_with_one_line(result, took, "MASTER_PORT")
+        assert "another NODE_RANK=0 launcher?" in line
+        assert snapshot(workdir) == before
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_node_with_nobody_at_master_fails_preflight(workdir):
+    before = snapshot(workdir)
+    port = free_port()
+    result, took = run_bad([*LAUNCH, *BASE_ARGS], workdir,
+                           {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                            "NPROC_PER_NODE": "1", "TRAIN_NUM_WORKERS": "0"})
+    line = assert_fails_fast_with_one_line(result, took, "preflight: MASTER_PORT", extra_lines_allowed=True)
+    assert f"127.0.0.1:{port} not reachable" in line
+    assert snapshot(workdir) == before
+

@@ -1,0 +1,297 @@
+"""Faults injected into real runs: killed and stalled workers, lost rendezvous, crashes and a full
+disk while checkpointing, SIGTERM. docs/reliability.md maps each fault to its test here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fault_helpers import Launch, checkpoint_files, error_lines, launcher_env, running, tiny_run, wait_until
+from helpers import (assert_same_params, checkpoint_steps, clean_env, final_params, free_port, load_checkpoint,
+                     read_summary)
+from trainer import checkpoint
+
+COLLECTIVE_TIMEOUT_S = 5
+# Slack on top of a configured timeout: process start-up and teardown on a loaded 2-core runner.
+# What these bounds catch is the 30-minute default wait, not slowness.
+SLACK_S = 25
+RUN_BOUND_S = 180
+
+
+@pytest.fixture
+def launches():
+    """Launchers started by a test; any still running at the end are killed with their workers."""
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        if launch.proc.poll() is None:
+            launch.stop_everything()
+
+
+def first_checkpoint(directory: Path, launch: Launch) -> None:
+    """Wait until the run has committed a checkpoint and is still training."""
+    wait_until(lambda: checkpoint_files(directory) or launch.proc.poll() is not None, RUN_BOUND_S,
+               f"a checkpoint in {directory}")
+    assert launch.proc.poll() is None, f"the run ended before the fault:\n{launch.output()[-3000:]}"
+
+
+def assert_no_traceback(text: str) -> None:
+    assert "Traceback" not in text, text[-4000:]
+
+
+# ------------------------------------------------------------------------------------ elastic restart
+
+def test_sigkilled_worker_restarts_the_group_and_ends_as_if_uninterrupted(tmp_path, launches):
+    """MAX_RESTARTS=2: torchrun restarts both ranks from the newest checkpoint; nothing is lost."""
+    reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    for root in (reference, faulty):
+        root.mkdir()
+    uninterrupted = Launch(tiny_run(reference, samples=3200), reference, launcher_env(free_port()))
+    run = Launch(tiny_run(faulty, samples=3200), faulty, launcher_env(free_port(), MAX_RESTARTS="2"))
+    launches += [uninterrupted, run]
+
+    first_checkpoint(faulty / "checkpoints", run)
+    first_group = run.workers()
+    os.kill(first_group[1], signal.SIGKILL)
+    wait_until(lambda: len(group := run.workers()) == 2 and set(group.values()).isdisjoint(first_group.values()),
+               RUN_BOUND_S, "torchrun to restart every rank with new processes")
+
+    assert run.wait(RUN_BOUND_S) == 0, run.output()[-4000:]
+    assert uninterrupted.wait(RUN_BOUND_S) == 0, uninterrupted.output()[-4000:]
+    done, expected = read_summary(faulty / "runs"), read_summary(reference / "runs")
+    assert done["status"] == "completed" and done["world_size"] == 2
+    assert done["global_step"] == expected["global_step"] == 100  # 3200 samples / (16 x 2 ranks)
+    assert done["resumed_from_step"] is not None and done["resumed_from_step"] % 10 == 0
+    assert 0 < done["resumed_from_step"] < done["global_step"]
+    assert expected["resumed_from_step"] is None
+    assert f"resuming from {faulty / 'checkpoints'}/step-{done['resumed_from_step']:08d}.pt" in run.output()
+    assert_same_params(final_params(faulty / "checkpoints"), final_params(reference / "checkpoints"))
+    newest = f"step-{done['global_step']:08d}.pt"
+    assert_same_params(load_checkpoint(faulty / "checkpoints" / newest)["optimizer"]["state"][0],
+                       load_checkpoint(reference / "checkpoints" / newest)["optimizer"]["state"][0])
+
+
+# ------------------------------------------------------------------------------------ fail fast
+
+def test_stalled_peer_fails_the_survivor_within_the_collective_timeout(tmp_path, launches):
+    run = Launch(tiny_run(tmp_path, samples=9600) + ["--collective-timeout", str(COLLECTIVE_TIMEOUT_S)],
+                 tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    first_checkpoint(tmp_path / "checkpoints", run)
+    workers = run.workers()
+    os.kill(workers[1], signal.SIGSTOP)
+    try:
+        wait_until(lambda: not running(workers[0]), COLLECTIVE_TIMEOUT_S + SLACK_S,
+                   f"rank 0 to give up on the stalled rank 1\n{run.output()[-3000:]}")
+    finally:
+        os.kill(workers[1], signal.SIGCONT)  # torchrun's SIGTERM is pending on it: let it act on it
+
+    assert run.wait(RUN_BOUND_S) != 0
+    output = run.output()
+    assert_no_traceback(output)
+    survivor = [line for line in error_lines(output) if line.startswith("error: collective: ")]
+    assert survivor and f"Timed out waiting {COLLECTIVE_TIMEOUT_S * 1000}ms" in survivor[0], output[-3000:]
+    assert "--collective-timeout sets the wait" in survivor[0]
+    assert error_lines(output)[-1].startswith("error: training failed: rank 0 exited with code 1")
+
+
+def test_killed_peer_without_restarts_fails_fast_naming_the_signal(tmp_path, launches):
+    run = Launch(tiny_run(tmp_path, samples=9600) + ["--collective-timeout", "300"], tmp_path,
+                 launcher_env(free_port(), MAX_RESTARTS="0"))
+    launches.append(run)
+    first_checkpoint(tmp_path / "checkpoints", run)
+    os.kill(run.workers()[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    assert run.wait(SLACK_S) == 1  # far below the 300 s collective timeout: a dead peer is seen at once
+    output = run.output()
+    assert_no_traceback(output)
+    assert error_lines(output)[-1].startswith("error: training failed: rank 1 was killed by SIGKILL"), output[-3000:]
+    assert time.monotonic() - killed_at < SLACK_S
+
+
+# ------------------------------------------------------------------------------------ rendezvous
+
+def rendezvous(tmp_path: Path, node_rank: int, port: int) -> subprocess.Popen:
+    env = clean_env(launcher_env(port, NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1",
+                                 RDZV_TIMEOUT="3"))
+    return subprocess.Popen([sys.executable, "-m", "trainer.launch", *tiny_run(tmp_path / f"node{node_rank}")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_rendezvous_that_cannot_complete_ends_within_rdzv_timeout(tmp_path):
+    """Node 1 with nobody at MASTER_ADDR:MASTER_PORT, and node 0 whose peer never comes (two worlds)."""
+    lone_port, empty_port = free_port(), free_port()
+    started = time.monotonic()
+    lone_node0, lone_node1 = rendezvous(tmp_path, 0, lone_port), rendezvous(tmp_path, 1, empty_port)
+    for node, port, detail, bound_s in ((lone_node0, lone_port, "1/2 clients joined", 3 + SLACK_S),
+                                        # the store client retries its 3 s connect once or twice
+                                        (lone_node1, empty_port, "timed out", 3 * 3 + SLACK_S)):
+        _, stderr = node.communicate(timeout=RUN_BOUND_S)
+        assert node.returncode == 1, stderr[-3000:]
+        assert time.monotonic() - started < bound_s  # never the 900 s default
+        (line,) = error_lines(stderr)
+        assert line.startswith(f"error: rendezvous at 127.0.0.1:{port} (2 nodes) failed: "), stderr[-3000:]
+        assert detail in line and "RDZV_TIMEOUT" in line
+        assert_no_traceback(stderr)
+        assert "frame #" not in stderr  # no C++ stack traces from the store client's retries
+    assert not list(tmp_path.glob("node*/checkpoints"))
+
+
+def test_the_failure_that_came_first_is_the_one_reported():
+    """torchrun's failure records: the peer it SIGTERMed in the same second is not the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainer.supervisor import describe_child_failure
+
+    def failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+        record = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="/nonexistent")
+        record.timestamp = timestamp
+        return record
+
+    killed = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, -signal.SIGKILL, 100)}
+    assert describe_child_failure(killed) == (
+        "training failed: rank 1 was killed by SIGKILL (and 1 more); the signal came from outside the trainer", 1)
+    crashed = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, 1, 100), 2: failure(2, 1, 101)}
+    assert describe_child_failure(crashed)[0].startswith("training failed: rank 1 exited with code 1 (and 2 more)")
+    earlier = {0: failure(0, -signal.SIGKILL, 101), 1: failure(1, 3, 100)}
+    assert describe_child_failure(earlier) == (
+        "training failed: rank 1 exited with code 3 (and 1 more); its own error is printed above", 3)
+
+
+# ------------------------------------------------------------------------------------ checkpoint safety
+
+SAVE_LOOP = """
+import sys, torch
+from pathlib import Path
+from trainer import checkpoint
+directory = Path(sys.argv[1])
+for step in range(1, 1000):  # 64 MiB each: a write takes long enough to be caught in the middle
+    checkpoint.save(directory, step, {"step": step, "weights": torch.full((16 << 20,), float(step))}, keep=2)
+"""
+
+
+def test_sigkill_during_checkpoint_write_leaves_only_loadable_checkpoints(tmp_path):
+    """The trainer's own checkpoint.save in a real process, killed while a temp file is being written."""
+    directory = tmp_path / "checkpoints"
+    writer = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(directory)], env=clean_env())
+    try:
+        wait_until(lambda: checkpoint.list_checkpoints(directory) and list(directory.glob(".tmp-*")), 120,
+                   "a committed checkpoint and the next one being written")
+        os.kill(writer.pid, signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert list(directory.glob(".tmp-*")), "killed between writes, not during one"
+    committed = checkpoint.list_checkpoints(directory)
+    assert committed
+    for path in committed:  # every committed name loads, and holds what its name says
+        state = checkpoint.load(path)
+        assert path.name == f"step-{state['step']:08d}.pt"
+        assert state["weights"].eq(state["step"]).all()
+    state, path = checkpoint.load_for_resume(directory, "auto")
+    assert path == committed[0]
+
+    checkpoint.save(directory, state["step"] + 1, {"step": state["step"] + 1}, keep=2)
+    assert not list(directory.glob(".tmp-*")), "the next save removes what the killed writer left"
+
+
+def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path):
+    args = tiny_run(tmp_path, samples=640) + ["--max-steps", "30", "--keep-checkpoints", "3"]
+    first = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert first.returncode == 0, first.stderr[-3000:]
+    directory = tmp_path / "checkpoints"
+    assert checkpoint_steps(directory) == [10, 20, 30]
+    newest = directory / "step-00000030.pt"
+    newest_size = newest.stat().st_size
+    newest.write_bytes(newest.read_bytes()[: newest_size // 2])
+    leftover = directory / ".tmp-step-00000040.pt.4242"  # what a writer killed mid-save leaves
+    leftover.write_bytes(b"half a checkpoint")
+
+    second = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert second.returncode == 0, second.stderr[-3000:]
+    warnings = [line for line in second.stderr.splitlines() if "WARNING" in line and str(newest) in line]
+    assert len(warnings) == 1 and "does not load" in warnings[0] and "trying the previous one" in warnings[0]
+    summary = read_summary(tmp_path / "runs")
+    assert summary["resumed_from_step"] == 20 and summary["global_step"] == 30
+    assert not leftover.exists()
+    assert checkpoint.load(newest)["global_step"] == 30  # rewritten whole
+    # Set aside: kept for inspection, out of the rotation (which keeps the highest steps).
+    assert (directory / "step-00000030.pt.corrupt").stat().st_size == newest_size // 2
+
+
+def mount_tmpfs(path: Path, size: str) -> None:
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {result.stderr.strip()}")
+
+
+def fill(directory: Path) -> None:
+    """Take every free byte of the file system, as a growing dataset or log would."""
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path, launches):
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "32m")
+    try:
+        args = tiny_run(tmp_path, samples=9600) + ["--checkpoint-dir", str(disk / "checkpoints")]
+        run = Launch(args, tmp_path, launcher_env(free_port()))
+        launches.append(run)
+        first_checkpoint(disk / "checkpoints", run)
+        fill(disk)
+        assert run.wait(RUN_BOUND_S) != 0
+        output = run.output()
+        assert_no_traceback(output)
+        full = [line for line in error_lines(output) if line.startswith("error: --checkpoint-dir: ")]
+        assert len(full) == 1, output[-3000:]
+        assert "no space left on device while writing step-" in full[0] and "older checkpoints are intact" in full[0]
+        failed_step = int(full[0].split("step-")[1][:8])
+        assert error_lines(output)[-1].startswith("error: training failed: rank "), output[-3000:]
+        assert "exited with code 1" in error_lines(output)[-1]
+
+        kept = checkpoint.list_checkpoints(disk / "checkpoints")
+        assert kept and all(int(p.stem[5:]) < failed_step for p in kept)
+        for path in kept:
+            assert checkpoint.load(path)["global_step"] == int(path.stem[5:])
+        assert not list((disk / "checkpoints").glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# ------------------------------------------------------------------------------------ graceful stop
+
+def test_sigterm_checkpoints_exits_zero_and_the_next_start_resumes(tmp_path, launches):
+    args = tiny_run(tmp_path, samples=3200)
+    run = Launch(args, tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    first_checkpoint(tmp_path / "checkpoints", run)
+    os.kill(run.pid, signal.SIGTERM)  # what `docker compose stop` sends to the container's PID 1
+    assert run.wait(SLACK_S) == 0, run.output()[-4000:]
+    assert_no_traceback(run.output())
+    stopped = read_summary(tmp_path / "runs")
+    assert stopped["status"] == "stopped" and 0 < stopped["global_step"] < 100
+    assert checkpoint_steps(tmp_path / "checkpoints")[-1] == stopped["global_step"]
+
+    again = Launch(args, tmp_path, launcher_env(free_port()), name="again")
+    launches.append(again)
+    assert again.wait(RUN_BOUND_S) == 0, again.output()[-4000:]
+    done = read_summary(tmp_path / "runs")
+    assert done["status"] == "completed"
+    assert done["resumed_from_step"] == stopped["global_step"] and done["global_step"] == 100

@@ -1,0 +1,134 @@
+"""Two hosts without Docker: two network namespaces joined by a veth pair, one trainer-launch node in
+each, talking gloo over that link only. Then the link is cut mid-training, and restored.
+
+Needs root (CAP_NET_ADMIN) for `ip netns`; skipped with the reason otherwise. Every address lives
+inside the two namespaces, which are deleted afterwards: nothing reaches the host's network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fault_helpers import Launch, checkpoint_files, error_lines, tiny_run, wait_until
+from helpers import checkpoint_steps, read_summary
+from trainer import checkpoint
+
+COLLECTIVE_TIMEOUT_S = 10
+SLACK_S = 30  # start-up and teardown on a loaded 2-core runner; what is caught is the 30-minute default
+RUN_BOUND_S = 240
+MASTER_ADDR = "10.200.0.1"
+_names = itertools.count()
+
+
+def ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+@dataclass(frozen=True)
+class Host:
+    netns: str
+    veth: str
+    address: str
+    node_rank: int
+
+    def launch(self, root: Path, samples: int, preflight: bool = False) -> Launch:
+        """This host's node of the run; its files (node 0's checkpoints) stay under root, as on a real host."""
+        root.mkdir(exist_ok=True)
+        args = tiny_run(root, samples) + ["--collective-timeout", str(COLLECTIVE_TIMEOUT_S)]
+        env = {"NNODES": "2", "NODE_RANK": str(self.node_rank), "NPROC_PER_NODE": "1",
+               "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
+               "GLOO_SOCKET_IFNAME": self.veth, "PREFLIGHT": "1" if preflight else "0",
+               "TRAIN_NUM_WORKERS": "0"}  # the doctor sizes /dev/shm for DataLoader workers; in-memory data has none
+        return Launch(args, root, env, name=f"node{self.node_rank}", prefix=["ip", "netns", "exec", self.netns])
+
+    def link(self, state: str) -> None:
+        result = ip("-n", self.netns, "link", "set", self.veth, state)
+        assert result.returncode == 0, result.stderr
+
+    def bytes_through_link(self) -> int:
+        (info,) = json.loads(ip("-n", self.netns, "-s", "-j", "link", "show", "dev", self.veth).stdout)
+        return info["stats64"]["rx"]["bytes"] + info["stats64"]["tx"]["bytes"]
+
+
+@pytest.fixture
+def hosts():
+    tag = f"{os.getpid() % 100000}{next(_names)}"
+    pair = [Host(f"ddpt{tag}n{i}", f"ddpt{tag}v{i}", f"10.200.0.{i + 1}", i) for i in range(2)]
+    made = []
+    try:
+        for host in pair:
+            result = ip("netns", "add", host.netns)
+            if result.returncode != 0:
+                pytest.skip(f"cannot create a network namespace (needs root / CAP_NET_ADMIN): {result.stderr.strip()}")
+            made.append(host.netns)
+        steps = [("link", "add", pair[0].veth, "netns", pair[0].netns, "type", "veth",
+                  "peer", "name", pair[1].veth, "netns", pair[1].netns)]
+        for host in pair:
+            steps += [("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.veth),
+                      ("-n", host.netns, "link", "set", host.veth, "up"),
+                      ("-n", host.netns, "link", "set", "lo", "up")]
+        for step in steps:
+            result = ip(*step)
+            assert result.returncode == 0, f"ip {' '.join(step)}: {result.stderr}"
+        yield pair
+    finally:
+        for netns in made:  # the veth pair goes with its namespaces
+            ip("netns", "del", netns)
+
+
+@pytest.fixture
+def launches():
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        if launch.proc.poll() is None:
+            launch.stop_everything()
+
+
+def start_both(hosts: list[Host], tmp_path: Path, samples: int, launches: list[Launch]) -> list[Launch]:
+    """Node 0 runs trainer-doctor first: in its namespace the veth is the routable interface."""
+    nodes = [host.launch(tmp_path / f"node{host.node_rank}", samples, preflight=host.node_rank == 0)
+             for host in hosts]
+    launches += nodes
+    return nodes
+
+
+def test_two_namespaces_train_together_fail_fast_when_the_link_is_cut_and_resume(hosts, tmp_path, launches):
+    nodes = start_both(hosts, tmp_path, 2400, launches)
+    checkpoints = tmp_path / "node0" / "checkpoints"
+    wait_until(lambda: checkpoint_files(checkpoints) or nodes[0].proc.poll() is not None, RUN_BOUND_S,
+               "node 0's first checkpoint")
+    assert all(node.proc.poll() is None for node in nodes), nodes[0].output()[-3000:]
+    first = checkpoint.load(checkpoint_files(checkpoints)[0])
+    assert first["samples_per_batch"] == 16 * 2  # one world of two ranks, one per namespace
+    assert hosts[0].bytes_through_link() > 2 ** 20  # the gradients crossed the veth pair
+    assert "error:" not in nodes[0].output()  # node 0's preflight passed in its namespace
+
+    hosts[1].link("down")
+    cut_at = time.monotonic()
+    for node in nodes:
+        assert node.wait(COLLECTIVE_TIMEOUT_S + SLACK_S) != 0
+        output = node.output()
+        assert "Traceback" not in output, output[-4000:]
+        errors = error_lines(output)
+        assert any(line.startswith("error: collective: ") for line in errors), output[-3000:]
+        assert errors[-1].startswith("error: training failed: rank "), output[-3000:]
+    assert time.monotonic() - cut_at < COLLECTIVE_TIMEOUT_S + SLACK_S
+    committed = checkpoint_steps(checkpoints)[-1]
+    assert not checkpoint_files(tmp_path / "node1" / "checkpoints")  # rank 0's host holds them all
+
+    hosts[1].link("up")
+    nodes = start_both(hosts, tmp_path, 2400, launches)
+    for node in nodes:
+        assert node.wait(RUN_BOUND_S) == 0, node.output()[-4000:]
+    summary = read_summary(tmp_path / "node0" / "runs")
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["resumed_from_step"] == committed and summary["global_step"] == 75  # 2400 / (16 x 2)
