@@ -1,0 +1,150 @@
+"""The CPU stack end to end, in real containers: train, TensorBoard, multi-node, stop/resume, bad input.
+
+Every test runs `docker compose` exactly as a user would (`--profile cpu up`), in its own compose
+project with its own host directories and ports, and takes everything down afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from containerlib import MULTINODE_FILE
+
+FIRST_STEP = r"first step done"
+ONE_LINE_ERROR = r"^error: \S+: .+ \(.+\)$"
+
+
+def checkpoints(project) -> list[Path]:
+    return sorted(project.checkpoints.glob("step-*.pt"))
+
+
+def tensorboard_json(port: str, path: str, **query: str):
+    url = f"http://127.0.0.1:{port}{path}" + ("?" + urllib.parse.urlencode(query) if query else "")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_for_scalars(port: str, tag: str, last_step: int, timeout: float = 90) -> list:
+    """TensorBoard's scalars for `tag` of run "." once they reach `last_step` (it reloads every ~5 s)."""
+    deadline, seen = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            tags = tensorboard_json(port, "/data/plugin/scalars/tags")
+            if tag in tags.get(".", {}):
+                seen = tensorboard_json(port, "/data/plugin/scalars/scalars", run=".", tag=tag)
+                if seen and seen[-1][1] == last_step:
+                    return seen
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"TensorBoard on port {port} did not serve {tag} up to step {last_step}: last saw {seen}")
+
+
+def test_cpu_profile_trains_to_completion_and_tensorboard_serves_the_run(make_project):
+    project = make_project("cpu")
+    started = time.monotonic()
+    project.up_attached()  # docker compose --profile cpu up
+    project.wait_log("trainer-cpu", FIRST_STEP, timeout=240)
+    first_step = time.monotonic() - started
+    state = project.wait_exit("trainer-cpu", timeout=600)
+    print(f"\ndocker compose --profile cpu up -> first training step: {first_step:.1f} s; "
+          f"whole run {time.monotonic() - started:.0f} s")
+    assert state["ExitCode"] == 0, project.logs("trainer-cpu")[-3000:]
+    assert state["RestartCount"] == 0
+
+    summary = project.summary()
+    assert summary["status"] == "completed"
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo"
+    assert summary["resumed_from_step"] is None
+    assert checkpoints(project), "no checkpoint in the checkpoint directory"
+
+    # The sidecar is still up and serves this run's scalars through its HTTP data API.
+    tensorboard = project.container("tensorboard-cpu")
+    tensorboard.reload()
+    assert tensorboard.status == "running", project.logs("tensorboard-cpu")
+    points = wait_for_scalars(project.env["TENSORBOARD_PORT"], "Loss/train", summary["global_step"])
+    assert all(len(p) == 3 for p in points) and points[-1][2] == pytest.approx(summary["train_loss"], rel=1e-4)
+    assert "acc1/val" in tensorboard_json(project.env["TENSORBOARD_PORT"], "/data/plugin/scalars/tags")["."]
+
+
+def test_two_compose_projects_train_as_one_world_of_four(make_project):
+    nodes = [make_project(f"node{rank}", files=[MULTINODE_FILE]) for rank in (0, 1)]
+    for rank, node in enumerate(nodes):
+        node.env.update(NODE_RANK=str(rank), NNODES="2", MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="2",
+                        MASTER_PORT=nodes[0].env["MASTER_PORT"], TRAIN_SYNTHETIC_SIZE="2048",
+                        TRAIN_EPOCHS="1", TRAIN_CHECKPOINT_EVERY="0")
+    for node in nodes:
+        node.up_attached()
+    states = [node.wait_exit("trainer-cpu", timeout=600) for node in nodes]
+    for node, state in zip(nodes, states):
+        assert state["ExitCode"] == 0, node.logs("trainer-cpu")[-3000:]
+
+    summary = nodes[0].summary()
+    assert summary["world_size"] == 4 and summary["status"] == "completed"
+    assert checkpoints(nodes[0])
+    # Global rank 0 lives on NODE_RANK 0: the other host writes nothing, and its TensorBoard exits.
+    assert not (nodes[1].runs / "summary.json").exists() and not checkpoints(nodes[1])
+    assert nodes[1].wait_exit("tensorboard-cpu", timeout=60)["ExitCode"] == 0
+    assert "nothing to serve" in nodes[1].logs("tensorboard-cpu")
+    assert nodes[0].container("tensorboard-cpu").status == "running"
+
+
+def test_stop_checkpoints_and_up_resumes(make_project):
+    project = make_project("resume")
+    # Only the stop may write a checkpoint before the end of the first epoch (64 steps).
+    project.env.update(TRAIN_EPOCHS="2", TRAIN_CHECKPOINT_EVERY="0", TRAIN_LOG_EVERY="5")
+    project.up_attached("trainer-cpu")
+    project.wait_log("trainer-cpu", r"step 10/", timeout=240)
+    project.run("stop", timeout=120)
+    state = project.wait_exit("trainer-cpu", timeout=90)
+    assert state["ExitCode"] == 0, project.logs("trainer-cpu")[-3000:]
+
+    stopped = project.summary()
+    assert stopped["status"] == "stopped" and 10 <= stopped["global_step"] < 64
+    assert [p.name for p in checkpoints(project)] == [f"step-{stopped['global_step']:08d}.pt"]
+
+    project.up_attached("trainer-cpu")
+    project.wait_log("trainer-cpu", r"completed at step", timeout=600)
+    state = project.wait_exit("trainer-cpu", timeout=120)
+    assert state["ExitCode"] == 0, project.logs("trainer-cpu")[-3000:]
+    resumed = project.summary()
+    assert resumed["status"] == "completed"
+    assert resumed["resumed_from_step"] == stopped["global_step"]
+    assert resumed["global_step"] == 128
+
+
+BAD_INPUT = {
+    "node-rank-not-below-nnodes": (None, {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"},
+                                   r"^error: NODE_RANK: "),
+    "multinode-without-master-addr": (MULTINODE_FILE, {"NODE_RANK": "1"}, r"^error: MASTER_ADDR: "),
+    "missing-data-dir": (None, {"TRAIN_DATASET": "imagefolder", "DATA_DIR": "<missing>"}, r"^error: TRAIN_DATA_DIR: "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_stops_with_the_one_line_error(make_project, case):
+    file, settings, expected = BAD_INPUT[case]
+    project = make_project(case, files=[file]) if file else make_project(case)
+    if settings.get("DATA_DIR") == "<missing>":
+        settings = {**settings, "DATA_DIR": str(project.dir / "no-such-dataset")}
+    project.env.update(settings)
+    started = time.monotonic()
+    project.up_attached("trainer-cpu")
+    state = project.wait_exit("trainer-cpu", timeout=180)
+    elapsed = time.monotonic() - started
+    logs = project.logs("trainer-cpu")
+    assert state["ExitCode"] == 2, logs
+    errors = [line for line in logs.splitlines() if line.startswith("error: ")]
+    assert errors and all(re.match(ONE_LINE_ERROR, line) for line in errors), logs
+    assert re.search(expected, logs, re.M), logs
+    assert "Traceback" not in logs
+    # Restarts are bounded (RESTART_POLICY on-failure:2): it stops for good, it does not loop.
+    assert state["RestartCount"] <= 2 and elapsed < 150
