@@ -6,6 +6,7 @@ and TRAIN_* options, and reports problems that otherwise show up as bus errors o
 from __future__ import annotations
 
 import argparse
+import glob
 import ipaddress
 import json
 import os
@@ -95,7 +96,14 @@ def check_ulimits() -> list[Check]:
                shown[stack], "ulimits: stack: 67108864 / --ulimit stack=67108864")]
 
 
-def _gpu_count() -> int:
+def nvidia_devices_present() -> bool:
+    """Without NVIDIA device nodes torch can see no GPU: then skip its multi-second import."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def visible_gpu_count() -> int:
+    if not nvidia_devices_present():
+        return 0
     try:
         import torch
 
@@ -248,6 +256,17 @@ def version_fingerprint() -> dict:
             "python": platform.python_version()}
 
 
+def _cpu_versions() -> dict:
+    """The versions row without importing torch (no GPU: CUDA and NCCL do not apply)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return {"torch": torch_version, "cuda": None, "nccl": None, "python": platform.python_version()}
+
+
 def check_same_versions(fingerprints: list[dict]) -> str | None:
     """One line naming which ranks (list index) differ in what; None when all are identical."""
     diffs = []
@@ -264,11 +283,11 @@ def check_same_versions(fingerprints: list[dict]) -> str | None:
 
 
 def run_checks(env: Mapping[str, str]) -> list[Check]:
-    gpus = _gpu_count()
+    gpus = visible_gpu_count()
     s, problems = _settings(env, gpus)
     topo = (f"NNODES={s['nnodes']} NODE_RANK={s['node_rank']} NPROC_PER_NODE={s['nproc']} "
             f"(world size {s['nnodes'] * s['nproc']})")
-    fp = version_fingerprint()
+    fp = version_fingerprint() if gpus else _cpu_versions()
     return [
         _check("topology", "fail" if problems else "pass", "; ".join(problems) or topo,
                "fix those environment variables"),

@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 from trainer.config import load_config
 from trainer.distributed import DEFAULT_MASTER_PORT, detect_topology
+from trainer.doctor import visible_gpu_count
 from trainer.errors import UsageError, exit_on_usage_error
 
 DEFAULT_RDZV_TIMEOUT = 900
@@ -56,12 +57,6 @@ def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int, m
         bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
         raise UsageError(name, f"{value} is out of range", f"use a value {bounds}")
     return value
-
-
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> LaunchPlan:
@@ -108,7 +103,7 @@ def single_worker_command(trainer_args: Sequence[str]) -> list[str]:
 
 
 def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
-                  gpu_count: Callable[[], int] = visible_gpus) -> list[str]:
+                  gpu_count: Callable[[], int] = visible_gpu_count) -> list[str]:
     """The command to exec; validates the topology and the training options on the way."""
     if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
         load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
