@@ -24,16 +24,6 @@ SLACK_S = 25
 RUN_BOUND_S = 180
 
 
-@pytest.fixture
-def launches():
-    """Launchers started by a test; any still running at the end are killed with their workers."""
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        if launch.proc.poll() is None:
-            launch.stop_everything()
-
-
 def first_checkpoint(directory: Path, launch: Launch) -> None:
     """Wait until the run has committed a checkpoint and is still training."""
     wait_until(lambda: checkpoint_files(directory) or launch.proc.poll() is not None, RUN_BOUND_S,

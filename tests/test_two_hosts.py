@@ -84,15 +84,6 @@ def hosts():
             ip("netns", "del", netns)
 
 
-@pytest.fixture
-def launches():
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        if launch.proc.poll() is None:
-            launch.stop_everything()
-
-
 def start_both(hosts: list[Host], tmp_path: Path, samples: int, launches: list[Launch]) -> list[Launch]:
     """Node 0 runs trainer-doctor first: in its namespace the veth is the routable interface."""
     nodes = [host.launch(tmp_path / f"node{host.node_rank}", samples, preflight=host.node_rank == 0)
