@@ -178,7 +178,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         from trainer.local_sgd import PeriodicAveraging
 
         local_sgd = PeriodicAveraging(ddp_model, optimizer, cfg.local_sgd_period, cfg.warmup_steps, position.step)
-    forward = torch.compile(ddp_model) if cfg.compile else ddp_model
+    forward = local_sgd.forward if local_sgd else ddp_model
+    forward = torch.compile(forward) if cfg.compile else forward
 
     def autocast():
         return torch.autocast("cuda", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()

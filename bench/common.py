@@ -1,0 +1,79 @@
+"""What the three stacks share: the workload, its data, the timing window and the result file.
+
+Each stack is one script started by torchrun; rank 0 writes one JSON result for the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+from trainer.data import SYNTHETIC_CLASSES, DataSpec, make_synthetic
+from trainer.models import build_model as _build_model
+from trainer.train import WARMUP_STEPS_EXCLUDED
+
+WARMUP_STEPS = WARMUP_STEPS_EXCLUDED  # every stack skips the same number of first steps
+SPEC = DataSpec(3, 32, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps, warm-up included")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    return parser.parse_args()
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def synthetic_dataset(steps: int, batch_size: int) -> TensorDataset:
+    """The trainer's synthetic images, normalised to float up front: enough for `steps` steps on every rank."""
+    train, _ = make_synthetic(steps * batch_size * world_size(), seed=0)
+    mean = torch.tensor(SPEC.mean).view(1, -1, 1, 1)
+    std = torch.tensor(SPEC.std).view(1, -1, 1, 1)
+    return TensorDataset((train.images.float() / 255 - mean) / std, train.labels)
+
+
+def build_model(name: str) -> torch.nn.Module:
+    return _build_model(name, SPEC)
+
+
+class StepTimer:
+    """Steady-state samples/s over all processes: the clock starts when warm-up step WARMUP_STEPS ends."""
+
+    def __init__(self, batch_size: int, total_steps: int, device: torch.device):
+        self.samples_per_step = batch_size * world_size()
+        self.total_steps, self.device = total_steps, device
+        self.steps = 0
+        self.start = self.end = 0.0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps not in (WARMUP_STEPS, self.total_steps):
+            return
+        if self.device.type == "cuda":  # only at the window's edges: a sync per step would slow the GPU
+            torch.cuda.synchronize(self.device)
+        self.end = time.perf_counter()
+        if self.steps == WARMUP_STEPS:
+            self.start = self.end
+
+    def samples_per_second(self) -> float:
+        return (self.steps - WARMUP_STEPS) * self.samples_per_step / (self.end - self.start)
+
+
+def write_result(path: str, stack: str, args: argparse.Namespace, timer: StepTimer, device: torch.device) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    result = {"stack": stack, "world_size": world_size(), "model": args.model, "batch_size": args.batch_size,
+              "steps": timer.steps, "device": device.type, "samples_per_second": timer.samples_per_second()}
+    Path(path).write_text(json.dumps(result) + "\n")

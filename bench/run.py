@@ -1,0 +1,167 @@
+"""`python -m bench`: one workload through the trainer, a hand-written DDP loop and Lightning.
+
+Runs are interleaved (trainer, hand-written, Lightning, trainer, ...) so that a noisy neighbour
+slows every stack alike; each stack's median and min-max over the rounds are reported, with the
+ratios trainer/hand-written and trainer/Lightning, and, given --nproc 1 2, each stack's scaling
+efficiency. Results: a markdown table on stdout and bench/results/<stamp>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+STACKS = ("trainer", "handwritten", "lightning")
+MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[default_nproc()],
+                        help="processes per run; several (1 2) also give each stack's scaling efficiency "
+                             "(default: visible GPUs, or 2)")
+    parser.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every stack (at least 3)")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
+    parser.add_argument("--steps", type=int, default=40, help="steps per run; the first 5 are not timed")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each process")
+    parser.add_argument("--trainer-args", default="", help="extra trainer options, e.g. '--local-sgd-period 8'")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
+    args = parser.parse_args(argv)
+    if args.rounds < 3:
+        parser.error("--rounds: medians need at least 3 rounds")
+    return args
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Path) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", MODULES[stack], "--model", args.model, "--batch-size", str(args.batch_size)]
+    if stack != "trainer":
+        return command + ["--steps", str(args.steps), "--result", str(workdir / "result.json")]
+    return command + [
+        "--max-steps", str(args.steps), "--synthetic-size", str(args.steps * args.batch_size * nproc),
+        "--val-every", "0", "--log-every", str(args.steps), "--checkpoint-every", "0", "--resume", "never",
+        "--log-dir", str(workdir / "runs"), "--checkpoint-dir", str(workdir / "checkpoints"),
+        "--env-file", str(workdir / "no.env"), *shlex.split(args.trainer_args)]
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, float]:
+    """One run of one stack: its steady-state samples/s over all processes, and how many cores
+    other work on the machine kept busy meanwhile (the noise every number here carries)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}  # the workload is the flags alone
+    env.update(OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
+    with tempfile.TemporaryDirectory(prefix=f"bench-{stack}-") as tmp:
+        workdir = Path(tmp)
+        command = stack_command(stack, nproc, args, workdir)
+        busy, own, start = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
+        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
+        others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - start)
+        if done.returncode != 0:
+            sys.exit(f"error: {stack} failed (exit {done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
+        result_file = workdir / ("runs/summary.json" if stack == "trainer" else "result.json")
+        return float(json.loads(result_file.read_text())["samples_per_second"]), max(0.0, others)
+
+
+def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
+    summary: dict = {"stacks": {}, "ratios": {}, "scaling_efficiency": {}}
+    for nproc in nprocs:
+        per_stack = {}
+        for stack in stacks:
+            values = [r["samples_per_second"] for r in runs if r["stack"] == stack and r["nproc"] == nproc]
+            per_stack[stack] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                                "runs": values}
+        summary["stacks"][str(nproc)] = per_stack
+        if "trainer" in per_stack:
+            summary["ratios"][str(nproc)] = {f"trainer/{peer}": per_stack["trainer"]["median"] / per_stack[peer]["median"]
+                                             for peer in stacks if peer != "trainer"}
+    low, high = min(nprocs), max(nprocs)
+    if high > low:
+        for stack in stacks:
+            speedup = summary["stacks"][str(high)][stack]["median"] / summary["stacks"][str(low)][stack]["median"]
+            summary["scaling_efficiency"][stack] = speedup / (high / low)
+    return summary
+
+
+def markdown(summary: dict, header: dict) -> str:
+    lines = [f"`{header['command']}`  ", f"{header['date']}, {header['machine']}; "
+             f"other work on the machine during the runs: median {header['other_cores_busy']:.2f} cores busy", "",
+             "| processes | stack | median samples/s | min-max | runs |", "|---|---|---|---|---|"]
+    for nproc, per_stack in summary["stacks"].items():
+        for stack, s in per_stack.items():
+            lines.append(f"| {nproc} | {stack} | {s['median']:.1f} | {s['min']:.1f}-{s['max']:.1f} | {len(s['runs'])} |")
+    lines.append("")
+    for nproc, ratios in summary["ratios"].items():
+        lines += [f"- {nproc} processes: {name} = {value:.3f}" for name, value in ratios.items()]
+    low_high = sorted(int(n) for n in summary["stacks"])
+    lines += [f"- scaling efficiency {low_high[-1]} vs {low_high[0]} processes, {stack}: {value:.3f}"
+              for stack, value in summary["scaling_efficiency"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def describe_machine() -> str:
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return f"{os.cpu_count()} CPUs ({cpu}), {device}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    header = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
+              "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": describe_machine(),
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    runs = []
+    for round_number in range(1, args.rounds + 1):
+        for nproc in args.nproc:
+            for stack in args.stacks:
+                sps, others = run_once(stack, nproc, args)
+                runs.append({"round": round_number, "nproc": nproc, "stack": stack, "samples_per_second": sps,
+                             "other_cores_busy": others})
+                print(f"round {round_number}/{args.rounds}  {nproc} proc  {stack:<11} {sps:8.1f} samples/s  "
+                      f"(other work: {others:.2f} cores)", file=sys.stderr, flush=True)
+    summary = summarise(runs, args.nproc, args.stacks)
+    header["other_cores_busy"] = statistics.median(r["other_cores_busy"] for r in runs)
+    table = markdown(summary, header)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S")
+    stem.with_suffix(".md").write_text(table)
+    stem.with_suffix(".json").write_text(json.dumps({**header, "runs": runs, **summary}, indent=2) + "\n")
+    print(table + f"\nwritten: {stem}.md, {stem}.json")
+    return 0

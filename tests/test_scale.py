@@ -1,0 +1,90 @@
+"""trainer-scale runs the real trainer under torchrun at 1 and 2 processes and reports what it measured."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_usage_error, clean_env
+
+TINY = ["--model", "cnn", "--batch-size", "16"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def scale(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.scale", *args], cwd=cwd, env=clean_env(env),
+                          capture_output=True, text=True, timeout=600)
+
+
+def has_matplotlib() -> bool:
+    return subprocess.run([sys.executable, "-c", "import matplotlib"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> Path:
+    """One real scaling run (1 and 2 processes, a tiny CNN) shared by the tests below."""
+    root = tmp_path_factory.mktemp("scale")
+    result = scale(["--max-procs", "2", "--steps", "10", "--repeats", "1", "--out", "out", "--", *TINY], root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root / "out"
+
+
+@pytest.mark.slow
+def test_table_json_and_plot_hold_what_the_runs_measured(measured):
+    report = json.loads((measured / "scaling.json").read_text())
+    rows = report["rows"]
+    assert [r["processes"] for r in rows] == [1, 2]
+    # Each row's number is the samples/s the trainer itself wrote in that run's summary.json.
+    for row, run in zip(rows, report["runs"]):
+        summary = json.loads(Path(run["summary"]).read_text())
+        assert summary["world_size"] == row["processes"] and summary["status"] == "completed"
+        assert row["samples_per_second"] == pytest.approx(summary["samples_per_second"]) and row["samples_per_second"] > 0
+    one, two = rows
+    assert one["speedup"] == pytest.approx(1.0) and one["efficiency"] == pytest.approx(1.0)
+    assert two["speedup"] == pytest.approx(two["samples_per_second"] / one["samples_per_second"])
+    assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
+    table = (measured / "scaling.md").read_text()
+    assert f"| 2 | {two['samples_per_second']:.1f} |" in table and f"| {two['efficiency']:.2f} |" in table
+    assert not list(measured.rglob("*.pt")), "checkpoints of the timing runs are removed"
+    if has_matplotlib():
+        assert (measured / "scaling.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_report_from_summaries_reproduces_the_rows(measured, tmp_path):
+    summaries = [run["summary"] for run in json.loads((measured / "scaling.json").read_text())["runs"]]
+    result = scale(["--from-summaries", *summaries, "--out", "again"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    rebuilt = json.loads((tmp_path / "again" / "scaling.json").read_text())["rows"]
+    assert rebuilt == json.loads((measured / "scaling.json").read_text())["rows"]
+
+
+@pytest.mark.slow
+def test_without_matplotlib_table_and_json_are_still_written(measured, tmp_path):
+    blocker = tmp_path / "block" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib blocked for this test')\n")
+    summaries = [run["summary"] for run in json.loads((measured / "scaling.json").read_text())["runs"]]
+    env = {"PYTHONPATH": f"{tmp_path / 'block'}:{clean_env()['PYTHONPATH']}"}
+    result = scale(["--from-summaries", *summaries, "--out", "plain"], tmp_path, env)
+    assert result.returncode == 0, result.stderr
+    assert "matplotlib is not installed" in result.stderr
+    assert (tmp_path / "plain" / "scaling.md").is_file() and (tmp_path / "plain" / "scaling.json").is_file()
+    assert not (tmp_path / "plain" / "scaling.png").exists()
+
+
+def test_too_few_steps_is_one_line_error(tmp_path):
+    assert_usage_error(scale(["--steps", "3"], tmp_path), "--steps")
+
+
+def test_bad_trainer_option_fails_before_any_run(tmp_path):
+    assert_usage_error(scale(["--max-procs", "2", "--", "--batch-size", "0"], tmp_path), "--batch-size")
+    assert not (tmp_path / "scaling").exists()
+
+
+def test_summary_of_unfinished_run_is_rejected(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 2, "samples_per_second": None}))
+    assert_usage_error(scale(["--from-summaries", "summary.json"], tmp_path), "--from-summaries")

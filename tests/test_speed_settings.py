@@ -1,0 +1,86 @@
+"""Speed settings keep training correct: the fused optimizer, and opt-in periodic averaging (local SGD)."""
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from helpers import (assert_same_params, dirs_args, final_params, max_param_difference, read_summary, train_ok)
+from trainer.config import TrainConfig
+from trainer.data import SYNTHETIC_CLASSES, DataSpec
+from trainer.models import build_model
+from trainer.optim import build_optimizer, build_scheduler
+
+SPEC = DataSpec(3, 32, SYNTHETIC_CLASSES, (0.5,) * 3, (0.25,) * 3, True)
+
+# 2 processes x 16 samples: 32 steps per epoch, 64 in all. Gradients are all-reduced for the 8
+# warm-up steps, then parameters are averaged every 4 steps (12, 16, ...). Checkpoints every 18
+# steps: 54 is mid-epoch 1 and not an averaging step, so resuming there needs the rank-0 state
+# that the checkpoint-time synchronisation made every rank's.
+STEPS = 64
+LOCAL_SGD = ["--model", "cnn", "--synthetic-size", "1024", "--batch-size", "16", "--epochs", "2", "--lr", "0.05",
+             "--warmup-steps", "8", "--checkpoint-every", "18", "--keep-checkpoints", "10", "--log-every", "8",
+             "--num-workers", "0", "--local-sgd-period", "4"]
+
+
+def textbook_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The trainer's optimizer as the per-tensor Python loop (no fused or foreach kernels)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), foreach=False)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=False)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fused_optimizer_follows_the_textbook_update(optimizer):
+    cfg = TrainConfig(optimizer=optimizer, lr=0.05, warmup_steps=3)
+    torch.manual_seed(0)
+    fused_model = build_model("cnn", SPEC)
+    plain_model = copy.deepcopy(fused_model)
+    start = copy.deepcopy(plain_model.state_dict())
+    fused, plain = build_optimizer(cfg, fused_model), textbook_optimizer(cfg, plain_model)
+    assert all(group["fused"] for group in fused.param_groups)
+    schedules = [build_scheduler(cfg, opt, total_steps=10) for opt in (fused, plain)]
+    for _ in range(10):
+        images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, SYNTHETIC_CLASSES, (8,))
+        for model, opt, schedule in zip((fused_model, plain_model), (fused, plain), schedules):
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+    # Float rounding only (a fused multiply-add rounds once where the loop rounds twice), far below
+    # what the 10 steps moved the weights.
+    assert max_param_difference(fused_model.state_dict(), plain_model.state_dict()) < 1e-5
+    assert max_param_difference(plain_model.state_dict(), start) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def local_sgd_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local_sgd")
+    train_ok([*LOCAL_SGD, *dirs_args(root)], root, nproc=2)
+    assert read_summary(root / "runs")["global_step"] == STEPS
+    return root
+
+
+@pytest.mark.slow
+def test_local_sgd_resumes_exactly_from_a_local_step(local_sgd_run, tmp_path):
+    checkpoint = tmp_path / "from" / "step-00000054.pt"
+    checkpoint.parent.mkdir()
+    shutil.copy(local_sgd_run / "checkpoints" / checkpoint.name, checkpoint)
+    train_ok([*LOCAL_SGD, "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    assert read_summary(tmp_path / "runs")["resumed_from_step"] == 54
+    # Equal only if every rank held rank 0's parameters and momentum at step 54, and the schedule of
+    # local steps and averages was taken up at the same step.
+    assert_same_params(final_params(tmp_path / "checkpoints"), final_params(local_sgd_run / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_local_sgd_trains_differently_but_still_learns(local_sgd_run, tmp_path):
+    train_ok([*LOCAL_SGD, "--local-sgd-period", "0", *dirs_args(tmp_path)], tmp_path, nproc=2)
+    local, every_step = read_summary(local_sgd_run / "runs"), read_summary(tmp_path / "runs")
+    assert max_param_difference(final_params(local_sgd_run / "checkpoints"), final_params(tmp_path / "checkpoints")) > 1e-4
+    assert local["val_acc1"] > 0.5 and every_step["val_acc1"] > 0.5  # chance is 0.1
