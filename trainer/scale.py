@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from trainer.config import load_config
+from trainer.doctor import visible_gpu_count
 from trainer.errors import UsageError, exit_on_usage_error
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
@@ -47,12 +48,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.repeats < 1 or (args.max_procs is not None and args.max_procs < 1):
         raise UsageError("--repeats/--max-procs", "must be at least 1", "give a positive number")
     return args, trainer_args
-
-
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def run_command(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) -> list[str]:
@@ -164,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_summaries:
             write_report([read_summary(p) for p in args.from_summaries], args.out, command, trainer_args)
             return 0
-        max_procs = args.max_procs or visible_gpus() or 2
+        max_procs = args.max_procs or visible_gpu_count() or 2
         runs = []
         for repeat in range(args.repeats):  # interleaved: a noisy neighbour slows every count alike
             for nproc in range(1, max_procs + 1):
