@@ -148,3 +148,19 @@ def test_bad_input_stops_with_the_one_line_error(make_project, case):
     assert "Traceback" not in logs
     # Restarts are bounded (RESTART_POLICY on-failure:2): it stops for good, it does not loop.
     assert state["RestartCount"] <= 2 and elapsed < 150
+
+
+def test_a_crashed_launcher_is_restarted_by_compose_and_resumes(make_project):
+    project = make_project("crash")
+    project.env.update(TRAIN_EPOCHS="2", TRAIN_CHECKPOINT_EVERY="10", TRAIN_LOG_EVERY="5")
+    project.up_attached("trainer-cpu")
+    project.wait_log("trainer-cpu", r"checkpoint committed: \S+step-00000010\.pt", timeout=240)
+    # SIGKILL tini's child, the launcher (torchrun): the container dies as on a crash, exit 137.
+    killed = project.container("trainer-cpu").exec_run(["sh", "-c", "kill -KILL $(cat /proc/1/task/1/children)"])
+    assert killed.exit_code == 0, killed.output
+
+    state = project.wait_exit("trainer-cpu", timeout=600)  # the restart policy brings it back first
+    assert state["ExitCode"] == 0 and state["RestartCount"] == 1, project.logs("trainer-cpu")[-3000:]
+    summary = project.summary()
+    assert summary["status"] == "completed" and summary["global_step"] == 128
+    assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 10
