@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from trainer.errors import UsageError
+from trainer.errors import UsageError, env_int
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -33,24 +33,8 @@ class Topology:
         return self.launcher != "single"
 
 
-def _int_env(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
-    raw = env[name]
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(name, f"'{raw}' is not an integer", "set it to a whole number") from None
-    if value < minimum:
-        raise UsageError(name, f"{value} is below {minimum}", f"set it to {minimum} or more")
-    return value
-
-
 def _master_port(env: Mapping[str, str]) -> int:
-    if "MASTER_PORT" not in env:
-        return DEFAULT_MASTER_PORT
-    port = _int_env(env, "MASTER_PORT", 1)
-    if port > 65535:
-        raise UsageError("MASTER_PORT", f"{port} is not a TCP port", "use a port between 1024 and 65535")
-    return port
+    return env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -67,27 +51,27 @@ def first_slurm_host(nodelist: str) -> str:
 def detect_topology(env: Mapping[str, str]) -> Topology:
     """Read the rank facts that torchrun or srun put in the environment (none: one plain process)."""
     if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = _int_env(env, "WORLD_SIZE", 1)
-        rank = _int_env(env, "RANK")
+        world_size = env_int(env, "WORLD_SIZE", None, 1)
+        rank = env_int(env, "RANK", None, 0)
         if rank >= world_size:
             raise UsageError("RANK", f"{rank} is not below WORLD_SIZE {world_size}", "give each process a rank in [0, WORLD_SIZE)")
         return Topology(
             rank=rank,
-            local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            local_rank=env_int(env, "LOCAL_RANK", None, 0) if "LOCAL_RANK" in env else 0,
             world_size=world_size,
-            local_world_size=_int_env(env, "LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in env else 1,
+            local_world_size=env_int(env, "LOCAL_WORLD_SIZE", None, 1) if "LOCAL_WORLD_SIZE" in env else 1,
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_master_port(env),
             launcher="torchrun",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world_size = _int_env(env, "SLURM_NTASKS", 1)
+        world_size = env_int(env, "SLURM_NTASKS", None, 1)
         master_addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         return Topology(
-            rank=_int_env(env, "SLURM_PROCID"),
-            local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            rank=env_int(env, "SLURM_PROCID", None, 0),
+            local_rank=env_int(env, "SLURM_LOCALID", None, 0) if "SLURM_LOCALID" in env else 0,
             world_size=world_size,
-            local_world_size=_int_env(env, "SLURM_NTASKS_PER_NODE", 1) if "SLURM_NTASKS_PER_NODE" in env else 1,
+            local_world_size=env_int(env, "SLURM_NTASKS_PER_NODE", None, 1) if "SLURM_NTASKS_PER_NODE" in env else 1,
             master_addr=master_addr,
             master_port=_master_port(env),
             launcher="slurm",

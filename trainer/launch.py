@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 from trainer.config import load_config
 from trainer.distributed import DEFAULT_MASTER_PORT, detect_topology
 from trainer.doctor import visible_gpu_count
-from trainer.errors import UsageError, exit_on_usage_error
+from trainer.errors import UsageError, env_int, exit_on_usage_error
 
 DEFAULT_RDZV_TIMEOUT = 900
 
@@ -43,26 +43,10 @@ class LaunchPlan:
         return self.nnodes * self.nproc_per_node
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int, maximum: int | None = None) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        if default is None:
-            raise UsageError(name, "is not set", f"set {name} to a whole number")
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(name, f"'{raw}' is not an integer", f"set {name} to a whole number") from None
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
-        raise UsageError(name, f"{value} is out of range", f"use a value {bounds}")
-    return value
-
-
 def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> LaunchPlan:
     """gpu_count is called only when needed: importing torch to count GPUs takes seconds."""
-    nnodes = _int(env, "NNODES", 1, 1)
-    node_rank = _int(env, "NODE_RANK", 0, 0)
+    nnodes = env_int(env, "NNODES", 1, 1)
+    node_rank = env_int(env, "NODE_RANK", 0, 0)
     if node_rank >= nnodes:
         raise UsageError("NODE_RANK", f"{node_rank} is not below NNODES {nnodes}",
                          f"give each host a distinct NODE_RANK from 0 to {nnodes - 1}")
@@ -72,11 +56,11 @@ def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> Launc
             raise UsageError("MASTER_ADDR", f"is required when NNODES={nnodes}",
                              "set it to the address of the NODE_RANK=0 host, the same on every host")
         master_addr = "127.0.0.1"
-    master_port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
-    max_restarts = _int(env, "MAX_RESTARTS", 0, 0)
-    rdzv_timeout = _int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
+    master_port = env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
+    max_restarts = env_int(env, "MAX_RESTARTS", 0, 0)
+    rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
     gpus = gpu_count()
-    nproc = _int(env, "NPROC_PER_NODE", gpus or 2, 1)
+    nproc = env_int(env, "NPROC_PER_NODE", gpus or 2, 1)
     if gpus and nproc > gpus:
         raise UsageError("NPROC_PER_NODE", f"{nproc} processes but only {gpus} GPUs are visible",
                          f"set NPROC_PER_NODE to at most {gpus} (one process per GPU)")
@@ -136,9 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def ensure_master_port_free(env: Mapping[str, str]) -> None:
     """Node 0's torchrun hosts the rendezvous store on MASTER_PORT. A taken port would otherwise show
     only after the rendezvous timeout, as a C++ error about the store."""
-    if _int(env, "NODE_RANK", 0, 0) != 0:
+    if env_int(env, "NODE_RANK", 0, 0) != 0:
         return
-    port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
+    port = env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is no conflict
         try:
