@@ -285,3 +285,24 @@ def test_sigterm_checkpoints_exits_zero_and_the_next_start_resumes(tmp_path, lau
     done = read_summary(tmp_path / "runs")
     assert done["status"] == "completed"
     assert done["resumed_from_step"] == stopped["global_step"] and done["global_step"] == 100
+
+
+@pytest.mark.parametrize("stopped_node", [0, 1], ids=["node 0 (the rendezvous host)", "node 1"])
+def test_stopping_one_host_stops_the_whole_job_at_once(tmp_path, launches, stopped_node):
+    """`docker compose stop` on one host of a two-host job: the ranks agree on a step, and the other
+    host's launcher leaves too, instead of waiting out torchrun's 300 s exit barrier."""
+    port = free_port()
+    nodes = [Launch(tiny_run(tmp_path, samples=6400), tmp_path,
+                    launcher_env(port, NPROC_PER_NODE="1", NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1"),
+                    name=f"node{rank}") for rank in (0, 1)]
+    launches.extend(nodes)
+    first_checkpoint(tmp_path / "checkpoints", nodes[0])
+    os.kill(nodes[stopped_node].pid, signal.SIGTERM)
+    for node in nodes:
+        assert node.wait(SLACK_S) == 0, node.output()[-4000:]
+        assert_no_traceback(node.output())
+    other = nodes[1 - stopped_node].output()
+    assert "the stop was requested on another host: stopping this host's launcher too" in other, other[-3000:]
+    stopped = read_summary(tmp_path / "runs")
+    assert stopped["status"] == "stopped" and stopped["world_size"] == 2 and stopped["global_step"] < 200
+    assert checkpoint_steps(tmp_path / "checkpoints")[-1] == stopped["global_step"]

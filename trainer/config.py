@@ -203,9 +203,19 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
                              f"x grad-accum {cfg.grad_accum}",
                              f"use a multiple of {per_step}")
         batch_size = cfg.global_batch_size // per_step
-    if cfg.dataset == "imagefolder" and not (Path(cfg.data_dir) / "train").is_dir():
-        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
-                         "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
+    if cfg.dataset == "imagefolder":
+        train_dir = Path(cfg.data_dir) / "train"
+        if not train_dir.is_dir():
+            raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
+                             "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
+        try:  # the cheap half of ImageFolder's check, before torchvision is imported (seconds)
+            has_class_folders = any(entry.is_dir() for entry in train_dir.iterdir())
+        except OSError as err:
+            raise UsageError(setting("data_dir"), f"cannot list {train_dir} ({err.strerror})",
+                             "make the data folder readable by the trainer's user") from None
+        if not has_class_folders:
+            raise UsageError(setting("data_dir"), f"{train_dir} has no class folders",
+                             f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
     if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file():

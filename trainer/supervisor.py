@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+# Workers find their host's agent (this process) here: see stop_host_agent.
+AGENT_PID_ENV = "TRAINER_AGENT_PID"
 RENDEZVOUS_FIX = ("start every host with the same NNODES, MASTER_ADDR and MASTER_PORT, NODE_RANK 0 first; "
                   "open MASTER_PORT on the NODE_RANK 0 host's firewall; raise RDZV_TIMEOUT for slow starts")
 
@@ -43,6 +45,20 @@ def describe_child_failure(failures: dict) -> tuple[str, int]:
     return f"training failed: rank {rank} {how}{others}; {where}", (code if code > 0 else 1)
 
 
+def stop_host_agent(env: dict[str, str]) -> bool:
+    """Ask this host's torchrun agent to stop, as `docker compose stop` would; False without one.
+
+    A stop begun on one host reaches every rank (they agree on a step), but not the other hosts'
+    agents: theirs see their workers succeed and wait up to 300 s in torchrun's exit barrier for the
+    stopped host's agent, which never comes. A worker whose stop came from elsewhere calls this, so
+    every agent leaves through the same stop path, at once."""
+    pid = env.get(AGENT_PID_ENV, "")
+    if not pid.isdigit() or int(pid) != os.getppid():
+        return False  # not started by this supervisor (plain torchrun, Slurm, a single process)
+    os.kill(int(pid), signal.SIGTERM)
+    return True
+
+
 def _import_torch_quietly() -> None:
     """The store client logs every connection retry with a C++ stack trace; our one line says it better.
     Only this process is quieted: the workers inherit the user's TORCH_CPP_LOG_LEVEL, if any."""
@@ -64,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     endpoint = f"{_arg(args, 'master-addr')}:{_arg(args, 'master-port')}"
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
     try:
         run(parse_args(args))
     except ChildFailedError as err:

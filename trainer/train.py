@@ -16,6 +16,7 @@ from trainer import distributed
 from trainer.config import TrainConfig, load_config
 from trainer.distributed import DistContext
 from trainer.errors import UsageError, exit_on_usage_error
+from trainer.supervisor import stop_host_agent
 
 log = logging.getLogger("trainer")
 WARMUP_STEPS_EXCLUDED = 5  # allocator, cudnn autotune and compile make the first steps slow
@@ -58,6 +59,13 @@ def check_same_software(ctx: DistContext) -> None:
         raise UsageError("image", problem, "run the same trainer image on every host")
 
 
+def check_same_workload(cfg: TrainConfig, state: dict, path: Path) -> None:
+    saved = state["config"]
+    if (saved["model"], saved["dataset"]) != (cfg.model, cfg.dataset):
+        raise UsageError("--resume", f"{path} holds a {saved['model']} trained on {saved['dataset']}, this run is "
+                         f"a {cfg.model} on {cfg.dataset}", "use another --checkpoint-dir or --resume never")
+
+
 def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
     """Rank 0 computes (it owns the checkpoint disk); every rank gets the result, or the same error."""
     outcome: tuple[str, Any] = ("ok", None)
@@ -79,6 +87,11 @@ class GracefulStop:
         self.requested = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._request)
+
+    def close(self) -> None:
+        """Training is over and saved: a late signal (our own agent's, see stop_host_agent) changes nothing."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
     def _request(self, signum, _frame):
         self.requested = True
@@ -113,6 +126,10 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if cuda else None
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
 
+    # A checkpoint that cannot be resumed fails before the data and the model are built.
+    found = on_main_then_share(ctx, lambda: checkpoint.load_for_resume(Path(cfg.checkpoint_dir), cfg.resume))
+    if found is not None:
+        check_same_workload(cfg, *found)
     train_data, val_data, spec = build_datasets(cfg, ctx)
     train_batches = Batches(train_data, spec, cfg, ctx, train=True)
     val_batches = Batches(val_data, spec, cfg, ctx, train=False) if val_data is not None and cfg.val_every else None
@@ -140,15 +157,10 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                 "rng": {"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}}
 
-    def restore() -> Position:
-        found = on_main_then_share(ctx, lambda: checkpoint.load_for_resume(Path(cfg.checkpoint_dir), cfg.resume))
+    def restore(found: tuple[dict, Path] | None) -> Position:
         if found is None:
             return Position()
         state, path = found
-        saved = state["config"]
-        if (saved["model"], saved["dataset"]) != (cfg.model, cfg.dataset):
-            raise UsageError("--resume", f"{path} holds a {saved['model']} trained on {saved['dataset']}, this run is "
-                             f"a {cfg.model} on {cfg.dataset}", "use another --checkpoint-dir or --resume never")
         try:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -169,7 +181,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
         return Position(state["epoch"], batch, state["global_step"], state["global_step"])
 
-    position = restore()
+    position = restore(found)
+    del found  # the model and optimizer hold their own copies now
     ddp_model = model
     if ctx.distributed:
         ddp_model = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
@@ -291,6 +304,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         if status == "stopped":
             break
 
+    stop.close()
     sync()
     progress.close()
     scalars.close()
@@ -305,4 +319,6 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     if ctx.is_main:
         write_json_atomic(Path(cfg.log_dir) / "summary.json", summary)
         log.info("%s at step %d: %s", status, step, Path(cfg.log_dir) / "summary.json")
+    if status == "stopped" and not stop.requested and ctx.is_local_main and stop_host_agent(os.environ):
+        log.warning("the stop was requested on another host: stopping this host's launcher too")
     return 0
