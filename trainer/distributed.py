@@ -205,16 +205,38 @@ def all_reduce_sum(ctx: DistContext, tensor):
     return tensor
 
 
-def any_rank(ctx: DistContext, flag: bool) -> bool:
-    """True on every rank when the flag is true on any rank (CPU-side, no GPU sync)."""
-    import torch
-    import torch.distributed as dist
+class StopVote:
+    """Whether any rank wants to stop, agreed with one step of slack (CPU-side, no GPU sync).
 
-    if not ctx.distributed:
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ctx.control_group)
-    return bool(value.item())
+    `vote(flag)` starts this step's MAX all-reduce and returns the previous step's outcome, so no
+    rank waits for the others at every step: with local SGD no other collective runs in a step,
+    and meeting every step would cost each step the slower rank's jitter. Every rank sees the
+    same outcome at the same step, which is all that stopping together needs."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.pending: tuple | None = None
+
+    def vote(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if not self.ctx.distributed:
+            return flag
+        previous = self.finish()
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+        self.pending = (value, work)
+        return previous
+
+    def finish(self) -> bool:
+        """The outcome of the vote in flight (False if none); call once more before leaving the loop."""
+        if self.pending is None:
+            return False
+        value, work = self.pending
+        self.pending = None
+        work.wait()
+        return bool(value.item())
 
 
 def broadcast_from_main(ctx: DistContext, obj):

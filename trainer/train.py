@@ -95,7 +95,7 @@ class GracefulStop:
 
     def _request(self, signum, _frame):
         self.requested = True
-        log.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
+        log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
 
 @dataclass
@@ -235,6 +235,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     progress = Progress(ctx, total_steps, position.step)
     throughput = Throughput(cfg.samples_per_step, WARMUP_STEPS_EXCLUDED, sync)
     stop = GracefulStop()
+    stop_vote = distributed.StopVote(ctx)
     loss_sum = torch.zeros((), device=ctx.device)  # stays on the device: no per-step host sync
     loss_count, train_loss, val_metrics = 0, None, {}
     window_start, window_steps = time.perf_counter(), 0
@@ -291,7 +292,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                     log.info("epoch %d validation: %s", epoch,
                              ", ".join(f"{k} {v:.4f}" for k, v in val_metrics.items()))
                 scalars.add(step, **{"time/epoch_s": time.perf_counter() - epoch_start})
-            stopping = distributed.any_rank(ctx, stop.requested)
+            stopping = stop_vote.vote(stop.requested)
             here = Position(epoch + 1, 0, step) if epoch_done else Position(epoch, micro, step)
             if epoch_done or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) \
                     or step == total_steps:
@@ -304,6 +305,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         if status == "stopped":
             break
 
+    stop_vote.finish()  # every rank leaves with no collective in flight
     stop.close()
     sync()
     progress.close()
