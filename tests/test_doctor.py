@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer.config import load_config
 from trainer.doctor import (Check, check_same_versions, format_table, main, run_checks,
                             version_fingerprint)
 
@@ -139,6 +140,26 @@ def test_unwritable_checkpoint_dir_fails(tmp_path):
     assert ckpt.status == "fail" and "TRAIN_CHECKPOINT_DIR" in ckpt.fix
 
 
+def test_directories_and_workers_come_from_the_training_options(tmp_path):
+    """The launcher passes its validated options: a --checkpoint-dir flag is what gets probed."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    training = load_config(["--checkpoint-dir", str(blocker / "sub"), "--num-workers", "64",
+                            "--batch-size", "100000"], {}, world_size=1)
+    checks = run_checks({}, training)
+    assert row(checks, "checkpoint dir").status == "fail" and str(blocker) in row(checks, "checkpoint dir").value
+    assert row(checks, "shared memory").status == "fail"
+
+
+def test_cli_reads_training_flags(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = _cli(tmp_path, args=["--checkpoint-dir", str(blocker / "sub")])
+    assert result.returncode == 1 and "checkpoint dir" in result.stdout, result.stdout + result.stderr
+    bad = _cli(tmp_path, args=["--lr", "-1"])
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --lr: "), bad.stderr
+
+
 def test_missing_dir_is_probed_not_created(tmp_path):
     target = tmp_path / "new" / "logs"
     checks = run_checks({**NO_WORKERS, "TRAIN_LOG_DIR": str(target)})
@@ -177,12 +198,12 @@ def test_main_json(monkeypatch, capsys):
     assert {"name", "status", "value", "fix"} <= set(out["checks"][0])
 
 
-def _cli(tmp_path, **extra: str) -> subprocess.CompletedProcess:
+def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), **extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCH_VARS and not k.startswith("TRAIN_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
                **NO_WORKERS, **extra)
-    return subprocess.run([sys.executable, "-m", "trainer.doctor"], cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, "-m", "trainer.doctor", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

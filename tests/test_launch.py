@@ -27,7 +27,7 @@ def no_gpus() -> int:
 
 
 def test_single_node_defaults():
-    assert build_command({}, ["--model", "cnn"], gpu_count=no_gpus) == [
+    assert build_command({}, ["--model", "cnn"], gpu_count=no_gpus)[0] == [
         "torchrun", "--nnodes=1", "--node-rank=0", "--nproc-per-node=2", "--master-addr=127.0.0.1",
         "--master-port=29500", "--max-restarts=0", "--rdzv-conf=timeout=900", "-m", "trainer", "--model", "cnn"]
 
@@ -39,7 +39,7 @@ def test_single_node_defaults_to_one_process_per_gpu():
 def test_multi_node():
     env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "4", "MASTER_ADDR": "10.0.0.5",
            "MASTER_PORT": "29400", "MAX_RESTARTS": "3", "RDZV_TIMEOUT": "60"}
-    assert build_command(env, ["--epochs", "2", "--global-batch-size", "256"], gpu_count=no_gpus) == [
+    assert build_command(env, ["--epochs", "2", "--global-batch-size", "256"], gpu_count=no_gpus)[0] == [
         "torchrun", "--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--master-addr=10.0.0.5",
         "--master-port=29400", "--max-restarts=3", "--rdzv-conf=timeout=60",
         "-m", "trainer", "--epochs", "2", "--global-batch-size", "256"]
@@ -55,7 +55,7 @@ def test_torchrun_command_of_a_plan():
 
 def test_rank_and_world_size_without_nnodes_run_one_worker():
     env = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29400"}
-    assert build_command(env, ["--model", "cnn"], gpu_count=no_gpus) == [
+    assert build_command(env, ["--model", "cnn"], gpu_count=no_gpus)[0] == [
         sys.executable, "-m", "trainer", "--model", "cnn"]
 
 

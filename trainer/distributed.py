@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def detect_topology(env: Mapping[str, str]) -> Topology:
     return Topology(0, 0, 1, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
 
 
-@dataclass(frozen=True)
+@dataclass
 class DistContext:
     topology: Topology
     backend: str  # "nccl", "gloo", or "none" for a single plain process
@@ -176,7 +177,13 @@ def teardown(ctx: DistContext) -> None:
     import torch.distributed as dist
 
     if ctx.distributed and dist.is_initialized():
+        # Groups must die while Python is alive: one that lives on until interpreter exit (held by
+        # DDP's reducer, which reference cycles keep, or by ctx) has its C++ worker threads torn
+        # down during finalization, where one that needs the GIL aborts the process
+        # ("terminate called without an active exception", SIGABRT) after a successful run.
+        gc.collect()
         dist.destroy_process_group()
+        ctx.control_group = None
 
 
 def barrier(ctx: DistContext) -> None:

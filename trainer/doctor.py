@@ -1,7 +1,8 @@
 """Preflight checks for distributed training in containers (`trainer-doctor`).
 
 Reads the launcher's environment (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_*, *_SOCKET_IFNAME)
-and TRAIN_* options, and reports problems that otherwise show up as bus errors or silent hangs.
+and the training options the way the trainer does (flags, TRAIN_* variables, .env), and reports
+problems that otherwise show up as bus errors or silent hangs.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
+
+from trainer.config import TrainConfig, load_config
+from trainer.errors import exit_on_usage_error
 
 MIB, GIB = 1 << 20, 1 << 30
 SHM_FIX = "run with ipc: host or shm_size: 8gb (compose), --shm-size / --ipc=host (docker run)"
@@ -47,7 +51,7 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _settings(env: Mapping[str, str], gpus: int) -> tuple[dict, list[str]]:
+def _settings(env: Mapping[str, str], gpus: int, training: TrainConfig) -> tuple[dict, list[str]]:
     problems: list[str] = []
 
     def num(key: str, default: int) -> int:
@@ -58,7 +62,7 @@ def _settings(env: Mapping[str, str], gpus: int) -> tuple[dict, list[str]]:
 
     s = {"nnodes": num("NNODES", 1), "node_rank": num("NODE_RANK", 0),
          "nproc": num("NPROC_PER_NODE", gpus or 2), "port": num("MASTER_PORT", 29500),
-         "workers": num("TRAIN_NUM_WORKERS", 2), "batch": num("TRAIN_BATCH_SIZE", 64)}
+         "workers": training.num_workers, "batch": training.batch_size}
     if s["nnodes"] < 1 or s["nproc"] < 1:
         problems.append("NNODES and NPROC_PER_NODE must be >= 1")
     if s["node_rank"] >= s["nnodes"]:
@@ -282,9 +286,11 @@ def check_same_versions(fingerprints: list[dict]) -> str | None:
     return f"version mismatch across ranks: {'; '.join(diffs)} (run the same image everywhere)"
 
 
-def run_checks(env: Mapping[str, str]) -> list[Check]:
+def run_checks(env: Mapping[str, str], training: TrainConfig | None = None) -> list[Check]:
+    """`training`: the options the run will use (the launcher's, validated); default: the environment's."""
+    training = training or load_config([], env, world_size=1)
     gpus = visible_gpu_count()
-    s, problems = _settings(env, gpus)
+    s, problems = _settings(env, gpus, training)
     topo = (f"NNODES={s['nnodes']} NODE_RANK={s['node_rank']} NPROC_PER_NODE={s['nproc']} "
             f"(world size {s['nnodes'] * s['nproc']})")
     fp = version_fingerprint() if gpus else _cpu_versions()
@@ -293,9 +299,8 @@ def run_checks(env: Mapping[str, str]) -> list[Check]:
                "fix those environment variables"),
         check_shm(s), *check_ulimits(), check_gpus(gpus, s["nproc"]),
         *check_interfaces(env, s["nnodes"]), *check_master(env, s),
-        check_dir("checkpoint dir", "TRAIN_CHECKPOINT_DIR",
-                  env.get("TRAIN_CHECKPOINT_DIR") or "./checkpoints"),
-        check_dir("log dir", "TRAIN_LOG_DIR", env.get("TRAIN_LOG_DIR") or "./runs"),
+        check_dir("checkpoint dir", "--checkpoint-dir (TRAIN_CHECKPOINT_DIR)", training.checkpoint_dir),
+        check_dir("log dir", "--log-dir (TRAIN_LOG_DIR)", training.log_dir),
         Check("versions", "pass", f"torch {fp['torch']}, CUDA {fp['cuda'] or 'none'}, "
               f"NCCL {fp['nccl'] or 'n/a'}, Python {fp['python']}"),
     ]
@@ -310,13 +315,16 @@ def format_table(checks: list[Check]) -> str:
                      for r in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="trainer-doctor",
-        description="Preflight checks for distributed training; exits 1 if any check fails.")
+        prog="trainer-doctor", usage="trainer-doctor [--json] [training options]",
+        description="Preflight checks for distributed training; exits 1 if any check fails. Training "
+                    "options (python -m trainer --help) are read as the trainer reads them.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    checks = run_checks(os.environ)
+    args, training_args = parser.parse_known_args(argv)
+    with exit_on_usage_error():
+        training = load_config(training_args, os.environ, world_size=1)
+    checks = run_checks(os.environ, training)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))

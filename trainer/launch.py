@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from trainer.config import load_config
+from trainer.config import TrainConfig, load_config
 from trainer.distributed import DEFAULT_MASTER_PORT, detect_topology
 from trainer.doctor import visible_gpu_count
 from trainer.errors import UsageError, env_int, exit_on_usage_error
@@ -87,15 +87,14 @@ def single_worker_command(trainer_args: Sequence[str]) -> list[str]:
 
 
 def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
-                  gpu_count: Callable[[], int] = visible_gpu_count) -> list[str]:
-    """The command to exec; validates the topology and the training options on the way."""
+                  gpu_count: Callable[[], int] = visible_gpu_count) -> tuple[list[str], TrainConfig]:
+    """The command to exec and the training options it runs with, validated on the way."""
     if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
-        load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
-        return single_worker_command(trainer_args)
+        cfg = load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
+        return single_worker_command(trainer_args), cfg
     load_config(trainer_args, env, world_size=1)  # all but the world-size checks, before counting GPUs loads torch
     plan = plan_from_env(env, gpu_count)
-    load_config(trainer_args, env, world_size=plan.world_size)
-    return torchrun_command(plan, trainer_args)
+    return torchrun_command(plan, trainer_args), load_config(trainer_args, env, world_size=plan.world_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,11 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nTraining options (python -m trainer --help):")
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     with exit_on_usage_error():
-        command = build_command(os.environ, args)
+        command, cfg = build_command(os.environ, args)
         if command[0] == "torchrun":
             ensure_master_port_free(os.environ)
     if os.environ.get("PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off"):
-        run_preflight()
+        run_preflight(cfg)
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
     if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
         command = [sys.executable, "-m", "trainer.supervisor", *command[1:]]
@@ -133,10 +132,10 @@ def ensure_master_port_free(env: Mapping[str, str]) -> None:
                              "MASTER_PORT, the same on every host") from None
 
 
-def run_preflight() -> None:
+def run_preflight(cfg: TrainConfig) -> None:
     from trainer.doctor import format_table, run_checks
 
-    checks = run_checks(os.environ)
+    checks = run_checks(os.environ, cfg)
     failed = [c for c in checks if c.status == "fail"]
     if failed or any(c.status == "warn" for c in checks):
         print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)
