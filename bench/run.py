@@ -3,7 +3,9 @@
 Runs are interleaved (trainer, hand-written, Lightning, trainer, ...) so that a noisy neighbour
 slows every stack alike; each stack's median and min-max over the rounds are reported, with the
 ratios trainer/hand-written and trainer/Lightning, and, given --nproc 1 2, each stack's scaling
-efficiency. Results: a markdown table on stdout and bench/results/<stamp>.{md,json}.
+efficiency. `--stacks trainer container` instead runs the trainer bare-metal and in the CPU
+container (compose's trainer-cpu service, image built beforehand) for the container/bare-metal
+ratio. Results: a markdown table on stdout and bench/results/<stamp>.{md,json}.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-STACKS = ("trainer", "handwritten", "lightning")
+STACKS = ("trainer", "handwritten", "lightning", "container")
+DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
 MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run"}
+CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,7 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, nargs="+", default=[default_nproc()],
                         help="processes per run; several (1 2) also give each stack's scaling efficiency "
                              "(default: visible GPUs, or 2)")
-    parser.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
+    parser.add_argument("--stacks", nargs="+", choices=STACKS, default=DEFAULT_STACKS,
+                        help="container: the trainer in the CPU image via compose (docker compose --profile "
+                             "cpu build first)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every stack (at least 3)")
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
@@ -53,16 +59,25 @@ def default_nproc() -> int:
     return torch.cuda.device_count() or 2
 
 
+def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str) -> list[str]:
+    return ["--model", args.model, "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+            "--synthetic-size", str(args.steps * args.batch_size * nproc), "--val-every", "0",
+            "--log-every", str(args.steps), "--checkpoint-every", "0", "--resume", "never",
+            "--log-dir", f"{workdir}/runs", "--checkpoint-dir", f"{workdir}/checkpoints",
+            "--env-file", f"{workdir}/no.env", *shlex.split(args.trainer_args)]
+
+
 def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Path) -> list[str]:
+    if stack == "container":  # the service as users run it: its launcher, preflight and compose settings
+        return ["docker", "compose", "--project-directory", str(REPO), "--profile", "cpu", "run", "--rm",
+                "--no-deps", "-e", f"NPROC_PER_NODE={nproc}", "-e", f"OMP_NUM_THREADS={args.threads}",
+                "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu", *trainer_flags(nproc, args, CONTAINER_DIR)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", MODULES[stack], "--model", args.model, "--batch-size", str(args.batch_size)]
+               "-m", MODULES[stack]]
     if stack != "trainer":
-        return command + ["--steps", str(args.steps), "--result", str(workdir / "result.json")]
-    return command + [
-        "--max-steps", str(args.steps), "--synthetic-size", str(args.steps * args.batch_size * nproc),
-        "--val-every", "0", "--log-every", str(args.steps), "--checkpoint-every", "0", "--resume", "never",
-        "--log-dir", str(workdir / "runs"), "--checkpoint-dir", str(workdir / "checkpoints"),
-        "--env-file", str(workdir / "no.env"), *shlex.split(args.trainer_args)]
+        return command + ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+                          "--result", str(workdir / "result.json")]
+    return command + trainer_flags(nproc, args, str(workdir))
 
 
 def busy_cpu_seconds() -> float:
@@ -87,13 +102,14 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
     env.update(OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
     with tempfile.TemporaryDirectory(prefix=f"bench-{stack}-") as tmp:
         workdir = Path(tmp)
+        workdir.chmod(0o777)  # the container's non-root user writes its results here
         command = stack_command(stack, nproc, args, workdir)
         busy, own, start = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
         done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
         others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - start)
         if done.returncode != 0:
             sys.exit(f"error: {stack} failed (exit {done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
-        result_file = workdir / ("runs/summary.json" if stack == "trainer" else "result.json")
+        result_file = workdir / ("result.json" if stack in MODULES and stack != "trainer" else "runs/summary.json")
         return float(json.loads(result_file.read_text())["samples_per_second"]), max(0.0, others)
 
 
@@ -108,7 +124,10 @@ def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
         summary["stacks"][str(nproc)] = per_stack
         if "trainer" in per_stack:
             summary["ratios"][str(nproc)] = {f"trainer/{peer}": per_stack["trainer"]["median"] / per_stack[peer]["median"]
-                                             for peer in stacks if peer != "trainer"}
+                                             for peer in stacks if peer not in ("trainer", "container")}
+            if "container" in per_stack:  # parity: the container's throughput over bare metal's
+                summary["ratios"][str(nproc)]["container/trainer"] = (per_stack["container"]["median"]
+                                                                      / per_stack["trainer"]["median"])
     low, high = min(nprocs), max(nprocs)
     if high > low:
         for stack in stacks:
