@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         if what is None:
             raise
         print(f"error: collective: {what} (a peer rank died or stalled, or the network between hosts broke; "
-              "see the other ranks' logs; --collective-timeout sets the wait)", file=sys.stderr, flush=True)
+              f"see the other ranks' logs; --collective-timeout, now {cfg.collective_timeout:g} s, sets the wait)",
+              file=sys.stderr, flush=True)
         return 1
     finally:
         distributed.teardown(ctx)
