@@ -29,6 +29,7 @@ RESULTS = REPO / "bench" / "results"
 STACKS = ("trainer", "handwritten", "lightning", "container")
 DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
 MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run"}
+TRAINER_STACKS = ("trainer", "container")  # they run this trainer, which writes runs/summary.json
 CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
@@ -109,7 +110,7 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
         others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - start)
         if done.returncode != 0:
             sys.exit(f"error: {stack} failed (exit {done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
-        result_file = workdir / ("result.json" if stack in MODULES and stack != "trainer" else "runs/summary.json")
+        result_file = workdir / ("runs/summary.json" if stack in TRAINER_STACKS else "result.json")
         return float(json.loads(result_file.read_text())["samples_per_second"]), max(0.0, others)
 
 
@@ -124,7 +125,7 @@ def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
         summary["stacks"][str(nproc)] = per_stack
         if "trainer" in per_stack:
             summary["ratios"][str(nproc)] = {f"trainer/{peer}": per_stack["trainer"]["median"] / per_stack[peer]["median"]
-                                             for peer in stacks if peer not in ("trainer", "container")}
+                                             for peer in stacks if peer not in TRAINER_STACKS}
             if "container" in per_stack:  # parity: the container's throughput over bare metal's
                 summary["ratios"][str(nproc)]["container/trainer"] = (per_stack["container"]["median"]
                                                                       / per_stack["trainer"]["median"])

@@ -74,6 +74,13 @@ def train_ok(args: Sequence[str], cwd: Path, nproc: int | None = None,
     return result
 
 
+def finished_run(root: Path, args: Sequence[str], steps: int, nproc: int = 2) -> Path:
+    """A run of `args` under root (see dirs_args) that must end at `steps`; returns root."""
+    train_ok([*args, *dirs_args(root)], root, nproc=nproc)
+    assert read_summary(root / "runs")["global_step"] == steps
+    return root
+
+
 def assert_usage_error(result: subprocess.CompletedProcess, setting: str) -> str:
     """The documented bad-input contract: exit 2, exactly one stderr line `error: <setting>: ...`."""
     lines = result.stderr.strip().splitlines()

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from helpers import (RUN_TIMEOUT_S, assert_same_params, assert_usage_error, checkpoint_steps, clean_env, dirs_args,
-                     final_params, load_checkpoint, read_summary, run_trainer, train_ok, trainer_command)
+                     final_params, finished_run, load_checkpoint, read_summary, run_trainer, train_ok,
+                     trainer_command)
 
 STEPS_PER_EPOCH = 1600 // (2 * 8)
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH
@@ -25,10 +26,7 @@ RUN = ["--model", "cnn", "--synthetic-size", "1600", "--batch-size", "8", "--epo
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("uninterrupted")
-    train_ok([*RUN, *dirs_args(root)], root, nproc=2)
-    assert read_summary(root / "runs")["global_step"] == TOTAL_STEPS
-    return root
+    return finished_run(tmp_path_factory.mktemp("uninterrupted"), RUN, TOTAL_STEPS)
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import (assert_same_params, dirs_args, final_params, max_param_difference, read_summary, train_ok)
+from helpers import (assert_same_params, dirs_args, final_params, finished_run, max_param_difference, read_summary,
+                     train_ok)
 from trainer.config import TrainConfig
 from trainer.data import SYNTHETIC_CLASSES, DataSpec
 from trainer.models import build_model
@@ -60,10 +61,7 @@ def test_fused_optimizer_follows_the_textbook_update(optimizer):
 
 @pytest.fixture(scope="module")
 def local_sgd_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("local_sgd")
-    train_ok([*LOCAL_SGD, *dirs_args(root)], root, nproc=2)
-    assert read_summary(root / "runs")["global_step"] == STEPS
-    return root
+    return finished_run(tmp_path_factory.mktemp("local_sgd"), LOCAL_SGD, STEPS)
 
 
 @pytest.mark.slow

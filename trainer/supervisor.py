@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Mapping
 
 # Workers find their host's agent (this process) here: see stop_host_agent.
 AGENT_PID_ENV = "TRAINER_AGENT_PID"
@@ -45,7 +46,7 @@ def describe_child_failure(failures: dict) -> tuple[str, int]:
     return f"training failed: rank {rank} {how}{others}; {where}", (code if code > 0 else 1)
 
 
-def stop_host_agent(env: dict[str, str]) -> bool:
+def stop_host_agent(env: Mapping[str, str]) -> bool:
     """Ask this host's torchrun agent to stop, as `docker compose stop` would; False without one.
 
     A stop begun on one host reaches every rank (they agree on a step), but not the other hosts'
