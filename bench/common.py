@@ -19,7 +19,6 @@ from trainer.models import build_model as _build_model
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
 WARMUP_STEPS = WARMUP_STEPS_EXCLUDED  # every stack skips the same number of first steps
-SPEC = DataSpec(3, 32, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -27,6 +26,7 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps, warm-up included")
+    parser.add_argument("--image-size", type=int, default=32, help="synthetic image side in pixels")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
     return parser.parse_args()
@@ -36,16 +36,20 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def synthetic_dataset(steps: int, batch_size: int) -> TensorDataset:
-    """The trainer's synthetic images, normalised to float up front: enough for `steps` steps on every rank."""
-    train, _ = make_synthetic(steps * batch_size * world_size(), seed=0)
-    mean = torch.tensor(SPEC.mean).view(1, -1, 1, 1)
-    std = torch.tensor(SPEC.std).view(1, -1, 1, 1)
+def spec(args: argparse.Namespace) -> DataSpec:
+    return DataSpec(3, args.image_size, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+
+
+def synthetic_dataset(args: argparse.Namespace) -> TensorDataset:
+    """The trainer's synthetic images, normalised to float up front: enough for every step on every rank."""
+    train, _ = make_synthetic(args.steps * args.batch_size * world_size(), seed=0, image_size=args.image_size)
+    mean = torch.tensor(spec(args).mean).view(1, -1, 1, 1)
+    std = torch.tensor(spec(args).std).view(1, -1, 1, 1)
     return TensorDataset((train.images.float() / 255 - mean) / std, train.labels)
 
 
-def build_model(name: str) -> torch.nn.Module:
-    return _build_model(name, SPEC)
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    return _build_model(args.model, spec(args))
 
 
 class StepTimer:

@@ -23,10 +23,10 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)
-    dataset = common.synthetic_dataset(args.steps, args.batch_size)
+    dataset = common.synthetic_dataset(args)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, pin_memory=cuda)
-    model = DDP(common.build_model(args.model).to(device), device_ids=[local_rank] if cuda else None)
+    model = DDP(common.build_model(args).to(device), device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     criterion = torch.nn.CrossEntropyLoss()
     timer = common.StepTimer(args.batch_size, args.steps, device)

@@ -42,7 +42,7 @@ def main() -> None:
     args = common.parse_args(__doc__)
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)
-    dataset = common.synthetic_dataset(args.steps, args.batch_size)
+    dataset = common.synthetic_dataset(args)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, pin_memory=cuda)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     timer = common.StepTimer(args.batch_size, args.steps, device)
@@ -50,7 +50,7 @@ def main() -> None:
                         num_nodes=common.world_size() // int(os.environ["LOCAL_WORLD_SIZE"]),
                         strategy="ddp", max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[TimeSteps(timer)])
-    trainer.fit(Classifier(common.build_model(args.model), args.lr), loader)
+    trainer.fit(Classifier(common.build_model(args), args.lr), loader)
     common.write_result(args.result, "lightning", args, timer, device)
 
 

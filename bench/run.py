@@ -5,7 +5,8 @@ slows every stack alike; each stack's median and min-max over the rounds are rep
 ratios trainer/hand-written and trainer/Lightning, and, given --nproc 1 2, each stack's scaling
 efficiency. `--stacks trainer container` instead runs the trainer bare-metal and in the CPU
 container (compose's trainer-cpu service, image built beforehand) for the container/bare-metal
-ratio. Results: a markdown table on stdout and bench/results/<stamp>.{md,json}.
+ratio. `--stacks trainer baseline` runs the trainer twice per round, with --trainer-args and with
+--baseline-args, for the effect of one setting (e.g. the input path) side by side. Results: a markdown table on stdout and bench/results/<stamp>.{md,json}.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-STACKS = ("trainer", "handwritten", "lightning", "container")
+STACKS = ("trainer", "handwritten", "lightning", "container", "baseline")
 DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
-MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run"}
-TRAINER_STACKS = ("trainer", "container")  # they run this trainer, which writes runs/summary.json
+MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run",
+           "baseline": "trainer"}
+TRAINER_STACKS = ("trainer", "container", "baseline")  # they run this trainer, which writes runs/summary.json
 CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
@@ -40,13 +42,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: visible GPUs, or 2)")
     parser.add_argument("--stacks", nargs="+", choices=STACKS, default=DEFAULT_STACKS,
                         help="container: the trainer in the CPU image via compose (docker compose --profile "
-                             "cpu build first)")
+                             "cpu build first); baseline: the trainer with --baseline-args")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every stack (at least 3)")
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
+    parser.add_argument("--image-size", type=int, default=32, help="synthetic image side (224: ImageNet-shaped)")
     parser.add_argument("--steps", type=int, default=40, help="steps per run; the first 5 are not timed")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each process")
     parser.add_argument("--trainer-args", default="", help="extra trainer options, e.g. '--local-sgd-period 8'")
+    parser.add_argument("--baseline-args", default="",
+                        help="the baseline stack's trainer options instead, e.g. '--loader dataloader'")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
     args = parser.parse_args(argv)
     if args.rounds < 3:
@@ -60,25 +65,27 @@ def default_nproc() -> int:
     return torch.cuda.device_count() or 2
 
 
-def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str) -> list[str]:
-    return ["--model", args.model, "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str, extra: str) -> list[str]:
+    return ["--model", args.model, "--synthetic-image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
             "--synthetic-size", str(args.steps * args.batch_size * nproc), "--val-every", "0",
             "--log-every", str(args.steps), "--checkpoint-every", "0", "--resume", "never",
             "--log-dir", f"{workdir}/runs", "--checkpoint-dir", f"{workdir}/checkpoints",
-            "--env-file", f"{workdir}/no.env", *shlex.split(args.trainer_args)]
+            "--env-file", f"{workdir}/no.env", *shlex.split(extra)]
 
 
 def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Path) -> list[str]:
     if stack == "container":  # the service as users run it: its launcher, preflight and compose settings
         return ["docker", "compose", "--project-directory", str(REPO), "--profile", "cpu", "run", "--rm",
                 "--no-deps", "-e", f"NPROC_PER_NODE={nproc}", "-e", f"OMP_NUM_THREADS={args.threads}",
-                "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu", *trainer_flags(nproc, args, CONTAINER_DIR)]
+                "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu", *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", MODULES[stack]]
-    if stack != "trainer":
-        return command + ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                          "--result", str(workdir / "result.json")]
-    return command + trainer_flags(nproc, args, str(workdir))
+    if stack == "trainer":
+        return command + trainer_flags(nproc, args, str(workdir), args.trainer_args)
+    if stack == "baseline":
+        return command + trainer_flags(nproc, args, str(workdir), args.baseline_args)
+    return command + ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+                      "--image-size", str(args.image_size), "--result", str(workdir / "result.json")]
 
 
 def busy_cpu_seconds() -> float:
@@ -100,7 +107,8 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
     """One run of one stack: its steady-state samples/s over all processes, and how many cores
     other work on the machine kept busy meanwhile (the noise every number here carries)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}  # the workload is the flags alone
-    env.update(OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(REPO))
+    env.update(OMP_NUM_THREADS=str(args.threads),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix=f"bench-{stack}-") as tmp:
         workdir = Path(tmp)
         workdir.chmod(0o777)  # the container's non-root user writes its results here
@@ -129,6 +137,9 @@ def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
             if "container" in per_stack:  # parity: the container's throughput over bare metal's
                 summary["ratios"][str(nproc)]["container/trainer"] = (per_stack["container"]["median"]
                                                                       / per_stack["trainer"]["median"])
+            if "baseline" in per_stack:
+                summary["ratios"][str(nproc)]["trainer/baseline"] = (per_stack["trainer"]["median"]
+                                                                     / per_stack["baseline"]["median"])
     low, high = min(nprocs), max(nprocs)
     if high > low:
         for stack in stacks:

@@ -59,6 +59,27 @@ def test_fused_optimizer_follows_the_textbook_update(optimizer):
     assert max_param_difference(plain_model.state_dict(), start) > 1e-2
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_step_the_fp16_loss_scaler_skips_leaves_the_optimizer_sound(optimizer):
+    # The trainer's scaler runs on CUDA only; the CPU scaler takes the same path through the
+    # optimizer (a fused one is handed the overflow flag instead of being skipped).
+    cfg = TrainConfig(optimizer=optimizer, amp="fp16", lr=0.05, warmup_steps=0)
+    torch.manual_seed(0)
+    model = build_model("cnn", SPEC)
+    opt = build_optimizer(cfg, model)
+    scaler = torch.amp.GradScaler("cpu")
+    images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, SYNTHETIC_CLASSES, (8,))
+    for overflow in (True, False, False):
+        loss = torch.nn.functional.cross_entropy(model(images), labels) * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    assert scaler.get_scale() < 65536.0  # the first step was skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.isfinite(torch.nn.functional.cross_entropy(model(images), labels))
+
+
 @pytest.fixture(scope="module")
 def local_sgd_run(tmp_path_factory):
     return finished_run(tmp_path_factory.mktemp("local_sgd"), LOCAL_SGD, STEPS)

@@ -37,6 +37,7 @@ class TrainConfig:
     dataset: str = option("synthetic", "training data; synthetic needs no files", DATASETS)
     data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)")
     synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)")
+    synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)")
     # How long.
     epochs: int = option(5, "passes over the training data")
     max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)")
@@ -185,7 +186,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     def setting(name: str) -> str:
         return sources.get(name, flag_name(name))
 
-    for name, minimum in (("synthetic_size", 1), ("epochs", 1), ("max_steps", 0), ("batch_size", 1),
+    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("epochs", 1), ("max_steps", 0), ("batch_size", 1),
                           ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
                           ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
                           ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),

@@ -62,18 +62,22 @@ def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- datasets
 
-def make_synthetic(size: int, seed: int) -> tuple[InMemoryImages, InMemoryImages]:
-    """CIFAR-shaped, learnable: each class is a smooth colour pattern, each sample a noisy, shifted copy."""
+def make_synthetic(size: int, seed: int, image_size: int = 32) -> tuple[InMemoryImages, InMemoryImages]:
+    """Learnable images: each class is a smooth colour pattern, each sample a noisy, shifted copy."""
     gen = torch.Generator().manual_seed(seed)
     prototypes = torch.nn.functional.interpolate(
-        torch.randn(SYNTHETIC_CLASSES, 3, 4, 4, generator=gen), size=(32, 32), mode="bilinear",
+        torch.randn(SYNTHETIC_CLASSES, 3, 4, 4, generator=gen), size=(image_size, image_size), mode="bilinear",
         align_corners=False)
 
     def draw(n: int) -> InMemoryImages:
         labels = torch.randint(0, SYNTHETIC_CLASSES, (n,), generator=gen)
-        noise = torch.randn(n, 3, 32, 32, generator=gen)
-        images = 128 + 48 * prototypes[labels] + 40 * noise
-        return InMemoryImages(images.clamp_(0, 255).to(torch.uint8), labels)
+        images = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
+        rows = max(1, 2**24 // prototypes[0].numel())  # float scratch bounded (64 MB) at ImageNet sizes
+        for begin in range(0, n, rows):
+            chunk = labels[begin:begin + rows]
+            noise = torch.randn(len(chunk), 3, image_size, image_size, generator=gen)
+            images[begin:begin + rows] = (128 + 48 * prototypes[chunk] + 40 * noise).clamp_(0, 255)
+        return InMemoryImages(images, labels)
 
     return draw(size), draw(max(1, size // 5))
 
@@ -169,8 +173,8 @@ class _MemoryAsDataset(Dataset):
 def build_datasets(cfg: TrainConfig, ctx: DistContext):
     """(train, val, spec); train and val are InMemoryImages or map-style datasets (val may be None)."""
     if cfg.dataset == "synthetic":
-        train, val = make_synthetic(cfg.synthetic_size, cfg.seed)
-        return train, val, DataSpec(3, 32, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+        train, val = make_synthetic(cfg.synthetic_size, cfg.seed, cfg.synthetic_image_size)
+        return train, val, DataSpec(3, cfg.synthetic_image_size, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
     if cfg.dataset == "cifar10":
         train, val = _torchvision_dataset(cfg, ctx)
         return train, val, DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True)

@@ -20,6 +20,10 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     fused = next(model.parameters()).device.type in ("cpu", "cuda")
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), fused=fused)
+    # Fused SGD and fp16's loss scaler do not mix: when the scaler skips an overflowing first step,
+    # fused SGD leaves its momentum buffers allocated but never written, and the next step reads
+    # that garbage (NaN weights within a few steps; seen on an H200, torch 2.11, and on the CPU).
+    fused = fused and cfg.amp != "fp16"
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
 
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/benchmarks.md in one run on one GPU (about 9 minutes on an H200):
+#   1. nccl, fp16 with its loss scaler, a committed checkpoint and a resume from it, finite loss;
+#   2. the GPU-resident input path against the DataLoader path (ResNet-18, CIFAR-shaped data,
+#      bf16 + channels_last + torch.compile in both);
+#   3. ResNet-50 on ImageNet-shaped data with the recommended GPU settings (bf16, channels_last,
+#      torch.compile) against the fp32 hand-written DDP loop.
+# Results (the harness's .md/.json and the logs) go to $OUT, or bench/results.
+#
+#     bash bench/gpu.sh          # all three
+#     bash bench/gpu.sh 1 2      # some
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+sections=${*:-1 2 3}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+
+if [[ " $sections " == *" 1 "* ]]; then
+  echo "== 1. fp16 + checkpoint, then resume (nccl)"
+  work=$(mktemp -d)
+  smoke=(--model cifar_resnet18 --amp fp16 --channels-last --synthetic-size 2560 --batch-size 64
+         --checkpoint-every 10 --val-every 1 --log-dir "$work/runs" --checkpoint-dir "$work/checkpoints"
+         --env-file "$work/no.env")
+  $python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer "${smoke[@]}" --max-steps 20
+  $python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer "${smoke[@]}" --max-steps 40 \
+    2>&1 | tee "$out/resume.log"
+  grep -q "resuming from .*step-0*20" "$out/resume.log"
+  cp "$work/runs/summary.json" "$out/smoke-summary.json"
+  $python -c 'import json, math, sys; loss = json.load(open(sys.argv[1]))["train_loss"]; print("train_loss", loss); assert math.isfinite(loss)' \
+    "$work/runs/summary.json"
+fi
+
+if [[ " $sections " == *" 2 "* ]]; then
+  echo "== 2. GPU-resident input path vs DataLoader path, ResNet-18, 32x32"
+  $python -m bench --nproc 1 --stacks trainer baseline --model resnet18 --batch-size 256 --steps 100 --threads 4 \
+    --trainer-args '--amp bf16 --channels-last --compile --loader memory' \
+    --baseline-args '--amp bf16 --channels-last --compile --loader dataloader' --out "$out"
+fi
+
+if [[ " $sections " == *" 3 "* ]]; then
+  echo "== 3. ResNet-50, 224x224: bf16 + channels_last + compile vs the fp32 hand-written loop"
+  $python -m bench --nproc 1 --stacks trainer handwritten --model resnet50 --image-size 224 --batch-size 256 \
+    --steps 25 --threads 4 --trainer-args '--amp bf16 --channels-last --compile' --out "$out"
+fi
