@@ -194,3 +194,13 @@ def test_crop_and_flip_of_a_batch_is_per_sample():
     # Different keys give different views of the same image.
     views = random_crop_flip(x[:1].expand(50, -1, -1, -1), sample_keys(torch.arange(50), epoch=0, seed=0))
     assert len({tuple(v.flatten().tolist()) for v in views}) > 10
+
+
+def test_synthetic_images_can_be_imagenet_shaped(tmp_path):
+    train, val, spec = build_datasets(config(tmp_path, "--synthetic-size", "20", "--synthetic-image-size", "224"),
+                                      context())
+    assert train.images.shape == (20, 3, 224, 224) and len(val) == 4
+    assert spec.image_size == 224
+    # Still learnable: a class's images are closer to their own class mean than to another's.
+    means = torch.stack([train.images[train.labels == c].float().mean(0) for c in train.labels.unique()[:2]])
+    assert (means[0] - means[1]).abs().mean() > 5
