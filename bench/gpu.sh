@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/benchmarks.md in one run on one GPU (about 9 minutes on an H200):
+# The GPU checks of docs/benchmarks.md in one run on one GPU (about 10 minutes on an H200):
 #   1. nccl, fp16 with its loss scaler, a committed checkpoint and a resume from it, finite loss;
 #   2. the GPU-resident input path against the DataLoader path (ResNet-18, CIFAR-shaped data,
 #      bf16 + channels_last + torch.compile in both);
