@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from trainer.data import SYNTHETIC_CLASSES, DataSpec, make_synthetic
+from trainer.data import make_synthetic, synthetic_spec
 from trainer.models import build_model as _build_model
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
@@ -36,20 +36,17 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def spec(args: argparse.Namespace) -> DataSpec:
-    return DataSpec(3, args.image_size, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
-
-
 def synthetic_dataset(args: argparse.Namespace) -> TensorDataset:
     """The trainer's synthetic images, normalised to float up front: enough for every step on every rank."""
     train, _ = make_synthetic(args.steps * args.batch_size * world_size(), seed=0, image_size=args.image_size)
-    mean = torch.tensor(spec(args).mean).view(1, -1, 1, 1)
-    std = torch.tensor(spec(args).std).view(1, -1, 1, 1)
+    spec = synthetic_spec(args.image_size)
+    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
+    std = torch.tensor(spec.std).view(1, -1, 1, 1)
     return TensorDataset((train.images.float() / 255 - mean) / std, train.labels)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    return _build_model(args.model, spec(args))
+    return _build_model(args.model, synthetic_spec(args.image_size))
 
 
 class StepTimer:

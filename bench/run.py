@@ -6,7 +6,8 @@ ratios trainer/hand-written and trainer/Lightning, and, given --nproc 1 2, each 
 efficiency. `--stacks trainer container` instead runs the trainer bare-metal and in the CPU
 container (compose's trainer-cpu service, image built beforehand) for the container/bare-metal
 ratio. `--stacks trainer baseline` runs the trainer twice per round, with --trainer-args and with
---baseline-args, for the effect of one setting (e.g. the input path) side by side. Results: a markdown table on stdout and bench/results/<stamp>.{md,json}.
+--baseline-args, for the effect of one setting (e.g. the input path) side by side. Results: a
+markdown table on stdout and bench/results/<stamp>.{md,json}.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def default_nproc() -> int:
 
 
 def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str, extra: str) -> list[str]:
-    return ["--model", args.model, "--synthetic-image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
-            "--synthetic-size", str(args.steps * args.batch_size * nproc), "--val-every", "0",
+    return ["--model", args.model, "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
+            "--synthetic-size", str(args.steps * args.batch_size * nproc),
+            "--synthetic-image-size", str(args.image_size), "--val-every", "0",
             "--log-every", str(args.steps), "--checkpoint-every", "0", "--resume", "never",
             "--log-dir", f"{workdir}/runs", "--checkpoint-dir", f"{workdir}/checkpoints",
             "--env-file", f"{workdir}/no.env", *shlex.split(extra)]
@@ -77,7 +79,8 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
     if stack == "container":  # the service as users run it: its launcher, preflight and compose settings
         return ["docker", "compose", "--project-directory", str(REPO), "--profile", "cpu", "run", "--rm",
                 "--no-deps", "-e", f"NPROC_PER_NODE={nproc}", "-e", f"OMP_NUM_THREADS={args.threads}",
-                "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu", *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
+                "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu",
+                *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", MODULES[stack]]
     if stack == "trainer":

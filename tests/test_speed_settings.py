@@ -10,11 +10,11 @@ import torch
 from helpers import (assert_same_params, dirs_args, final_params, finished_run, max_param_difference, read_summary,
                      train_ok)
 from trainer.config import TrainConfig
-from trainer.data import SYNTHETIC_CLASSES, DataSpec
+from trainer.data import SYNTHETIC_CLASSES, synthetic_spec
 from trainer.models import build_model
 from trainer.optim import build_optimizer, build_scheduler
 
-SPEC = DataSpec(3, 32, SYNTHETIC_CLASSES, (0.5,) * 3, (0.25,) * 3, True)
+SPEC = synthetic_spec(32)
 
 # 2 processes x 16 samples: 32 steps per epoch, 64 in all. Gradients are all-reduced for the 8
 # warm-up steps, then parameters are averaged every 4 steps (12, 16, ...). Checkpoints every 18

@@ -186,8 +186,8 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     def setting(name: str) -> str:
         return sources.get(name, flag_name(name))
 
-    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("epochs", 1), ("max_steps", 0), ("batch_size", 1),
-                          ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
+    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("epochs", 1), ("max_steps", 0),
+                          ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
                           ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
                           ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
                           ("collective_timeout", 1), ("local_sgd_period", 0)):

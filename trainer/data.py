@@ -62,12 +62,16 @@ def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- datasets
 
+def synthetic_spec(image_size: int) -> DataSpec:
+    return DataSpec(3, image_size, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+
+
 def make_synthetic(size: int, seed: int, image_size: int = 32) -> tuple[InMemoryImages, InMemoryImages]:
     """Learnable images: each class is a smooth colour pattern, each sample a noisy, shifted copy."""
     gen = torch.Generator().manual_seed(seed)
     prototypes = torch.nn.functional.interpolate(
-        torch.randn(SYNTHETIC_CLASSES, 3, 4, 4, generator=gen), size=(image_size, image_size), mode="bilinear",
-        align_corners=False)
+        torch.randn(SYNTHETIC_CLASSES, 3, 4, 4, generator=gen), size=(image_size, image_size),
+        mode="bilinear", align_corners=False)
 
     def draw(n: int) -> InMemoryImages:
         labels = torch.randint(0, SYNTHETIC_CLASSES, (n,), generator=gen)
@@ -174,7 +178,7 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
     """(train, val, spec); train and val are InMemoryImages or map-style datasets (val may be None)."""
     if cfg.dataset == "synthetic":
         train, val = make_synthetic(cfg.synthetic_size, cfg.seed, cfg.synthetic_image_size)
-        return train, val, DataSpec(3, cfg.synthetic_image_size, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+        return train, val, synthetic_spec(cfg.synthetic_image_size)
     if cfg.dataset == "cifar10":
         train, val = _torchvision_dataset(cfg, ctx)
         return train, val, DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True)

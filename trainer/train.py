@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from trainer import distributed
 from trainer.config import TrainConfig, load_config
@@ -60,11 +60,20 @@ def check_same_software(ctx: DistContext) -> None:
         raise UsageError("image", problem, "run the same trainer image on every host")
 
 
+def _workload(config: Mapping[str, Any]) -> tuple[str, str]:
+    """The model and the data its weights fit (synthetic data comes in several image sizes)."""
+    data = config["dataset"]
+    if data == "synthetic":
+        side = config.get("synthetic_image_size", 32)  # checkpoints from before the option: 32
+        data = f"synthetic {side}x{side}"
+    return config["model"], data
+
+
 def check_same_workload(cfg: TrainConfig, state: dict, path: Path) -> None:
-    saved = state["config"]
-    if (saved["model"], saved["dataset"]) != (cfg.model, cfg.dataset):
-        raise UsageError("--resume", f"{path} holds a {saved['model']} trained on {saved['dataset']}, this run is "
-                         f"a {cfg.model} on {cfg.dataset}", "use another --checkpoint-dir or --resume never")
+    (saved_model, saved_data), (model, data) = _workload(state["config"]), _workload(cfg.as_dict())
+    if (saved_model, saved_data) != (model, data):
+        raise UsageError("--resume", f"{path} holds a {saved_model} trained on {saved_data}, this run is "
+                         f"a {model} on {data}", "use another --checkpoint-dir or --resume never")
 
 
 def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
