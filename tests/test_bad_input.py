@@ -172,21 +172,15 @@ def test_bad_input_fails_fast_with_one_line_and_writes_nothing(workdir, case: Ba
     assert snapshot(workdir) == before
 
 
-def test_checkpoint_of_another_model(workdir, cnn_checkpoint):
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "cifar_resnet18"], "holds a cnn trained on synthetic 32x32, this run is a cifar_resnet18"),
+    (["--synthetic-image-size", "64"], "trained on synthetic 32x32, this run is a cnn on synthetic 64x64"),
+], ids=["other model", "other image size"])
+def test_checkpoint_of_another_workload(workdir, cnn_checkpoint, args, expected):
     before = snapshot(workdir)
-    result, took = run_bad([*WORKER, *BASE_ARGS, "--model", "cifar_resnet18", "--resume", str(cnn_checkpoint)],
-                           workdir, {})
+    result, took = run_bad([*WORKER, *BASE_ARGS, *args, "--resume", str(cnn_checkpoint)], workdir, {})
     line = assert_fails_fast_with_one_line(result, took, "--resume")
-    assert "holds a cnn trained on synthetic 32x32, this run is a cifar_resnet18" in line
-    assert snapshot(workdir) == before
-
-
-def test_checkpoint_of_other_synthetic_images(workdir, cnn_checkpoint):
-    before = snapshot(workdir)
-    result, took = run_bad([*WORKER, *BASE_ARGS, "--synthetic-image-size", "64", "--resume", str(cnn_checkpoint)],
-                           workdir, {})
-    line = assert_fails_fast_with_one_line(result, took, "--resume")
-    assert "trained on synthetic 32x32, this run is a cnn on synthetic 64x64" in line
+    assert expected in line
     assert snapshot(workdir) == before
 
 
