@@ -12,7 +12,8 @@ from helpers import (assert_same_params, dirs_args, final_params, finished_run, 
 from trainer.config import TrainConfig
 from trainer.data import SYNTHETIC_CLASSES, synthetic_spec
 from trainer.models import build_model
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import (build_optimizer, build_scheduler, load_optimizer_state,
+                           load_scaler_state)
 
 SPEC = synthetic_spec(32)
 
@@ -78,6 +79,34 @@ def test_a_step_the_fp16_loss_scaler_skips_leaves_the_optimizer_sound(optimizer)
     assert scaler.get_scale() < 65536.0  # the first step was skipped
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert torch.isfinite(torch.nn.functional.cross_entropy(model(images), labels))
+
+
+def test_an_fp16_run_resumes_from_a_checkpoint_of_another_precision():
+    # The scaler and the kernel choice as an fp16 run on CUDA has them (the CPU scaler stands in).
+    torch.manual_seed(0)
+    bf16_model = build_model("cnn", SPEC)
+    bf16_optimizer = build_optimizer(TrainConfig(amp="bf16"), bf16_model)
+    images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, SYNTHETIC_CLASSES, (8,))
+    torch.nn.functional.cross_entropy(bf16_model(images), labels).backward()
+    bf16_optimizer.step()
+    saved_optimizer = bf16_optimizer.state_dict()
+    saved_scaler = torch.amp.GradScaler("cpu", enabled=False).state_dict()  # bf16 runs have no scaler
+
+    fp16_model = copy.deepcopy(bf16_model)
+    fp16_optimizer = build_optimizer(TrainConfig(amp="fp16"), fp16_model)
+    scaler = torch.amp.GradScaler("cpu")
+    load_optimizer_state(fp16_optimizer, saved_optimizer)
+    load_scaler_state(scaler, saved_scaler)
+    assert all(group["fused"] for group in bf16_optimizer.param_groups)
+    assert not any(group["fused"] for group in fp16_optimizer.param_groups)  # this run's choice, not the file's
+    momentum = [fp16_optimizer.state[p]["momentum_buffer"] for p in fp16_model.parameters()]
+    assert all(torch.equal(m, bf16_optimizer.state[p]["momentum_buffer"])
+               for m, p in zip(momentum, bf16_model.parameters()))
+    assert scaler.get_scale() == 65536.0  # a fresh scale
+
+    resumed = torch.amp.GradScaler("cpu")
+    load_scaler_state(resumed, {**scaler.state_dict(), "scale": 32768.0})  # an fp16 checkpoint's own scale
+    assert resumed.get_scale() == 32768.0
 
 
 @pytest.fixture(scope="module")

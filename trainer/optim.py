@@ -1,13 +1,16 @@
-"""Optimizer and learning-rate schedule."""
+"""Optimizer, learning-rate schedule, and restoring them (with fp16's loss scaler) from a checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
 from trainer.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -25,6 +28,25 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     # that garbage (NaN weights within a few steps; seen on an H200, torch 2.11, and on the CPU).
     fused = fused and cfg.amp != "fp16"
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The saved hyper-parameters and state, with this run's kernel choice kept: load_state_dict would
+    take `fused` from the checkpoint, so an fp16 run resumed from an fp32 or bf16 checkpoint would
+    switch back to fused SGD (see build_optimizer)."""
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, chosen in zip(optimizer.param_groups, kernels):
+        group.update(chosen)
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, saved: dict) -> None:
+    """fp16's loss scale from the checkpoint; a checkpoint of an fp32 or bf16 run has none (an empty
+    dict, which GradScaler.load_state_dict refuses), so an fp16 run resumed from it starts afresh."""
+    if saved or not scaler.is_enabled():
+        scaler.load_state_dict(saved)
+    else:
+        log.info("the checkpoint has no fp16 loss scale (it was not an fp16 run): starting at %g", scaler.get_scale())
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:

@@ -125,7 +125,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     from trainer.data import Batches, build_datasets
     from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
     from trainer.models import build_model, is_reconstruction, per_sample_loss
-    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.optim import build_optimizer, build_scheduler, load_optimizer_state, load_scaler_state
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     cuda = ctx.device.type == "cuda"
@@ -173,12 +173,12 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         state, path = found
         try:
             model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(optimizer, state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as err:
             raise UsageError("--resume", f"{path} does not fit this model ({str(err).splitlines()[0][:160]})",
                              "use another --checkpoint-dir or --resume never") from None
         scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        load_scaler_state(scaler, state["scaler"])
         torch.set_rng_state(state["rng"]["cpu"])
         if cuda and state["rng"]["cuda"].numel():
             torch.cuda.set_rng_state(state["rng"]["cuda"])
