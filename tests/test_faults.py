@@ -268,6 +268,34 @@ def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+# ------------------------------------------------------------------------------------ divergence
+
+@pytest.mark.parametrize("log_every, checkpoint_every", [(4, 100), (100, 3)], ids=["at a log step", "at a checkpoint"])
+def test_a_diverging_run_stops_with_one_line_and_commits_no_nan_weights(tmp_path, launches, log_every,
+                                                                       checkpoint_every):
+    # A learning rate of 1e4 turns the weights to inf and NaN within a few steps (an epoch is 75).
+    args = tiny_run(tmp_path) + ["--lr", "1e4", "--warmup-steps", "0", "--log-every", str(log_every),
+                                 "--checkpoint-every", str(checkpoint_every)]
+    run = Launch(args, tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    assert run.wait(RUN_BOUND_S) == 1
+    output = run.output()
+    assert_no_traceback(output)
+    lines = [line for line in error_lines(output) if line.startswith("error: training diverged by step ")]
+    assert len(lines) == 2 and lines[0] == lines[1], output[-3000:]  # both ranks, the same step
+    failed_step = int(lines[0].split("by step ")[1].split(":")[0])
+    assert failed_step % min(log_every, checkpoint_every) == 0  # caught at the first check after it
+    assert "were not committed" in lines[0] and "lower --lr" in lines[0]
+    assert error_lines(output)[-1].startswith("error: training failed: rank "), output[-3000:]
+
+    kept = checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    assert all(int(p.stem[5:]) < failed_step for p in kept)
+    for path in kept:
+        assert all(t.isfinite().all() for t in checkpoint.load(path)["model"].values() if t.is_floating_point())
+    newest = f"the newest checkpoint is step {int(kept[-1].stem[5:])}" if kept else "no checkpoint of this run"
+    assert newest in lines[0]
+
+
 # ------------------------------------------------------------------------------------ graceful stop
 
 def test_sigterm_checkpoints_exits_zero_and_the_next_start_resumes(tmp_path, launches):

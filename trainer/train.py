@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         with exit_on_usage_error():
             check_same_software(ctx)
             return train(cfg, ctx, started)
-    except CheckpointError as err:
+    except (CheckpointError, Diverged) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     except Exception as err:
@@ -115,6 +116,19 @@ class Position:
     batch: int = 0
     step: int = 0
     resumed_from_step: int | None = None
+
+
+class Diverged(Exception):
+    """The weights hold NaN or inf: the run stops and does not commit them."""
+
+
+def weights_are_finite(ctx: DistContext, model) -> bool:
+    """Whether every rank's weights and buffers are finite; a collective, so every rank calls it."""
+    import torch
+
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).sum(dtype=torch.float32).reshape(1)
+    return distributed.all_reduce_sum(ctx, bad).item() == 0
 
 
 def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
@@ -207,12 +221,24 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     def autocast():
         return torch.autocast("cuda", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
 
+    last_committed = position.resumed_from_step
+
+    def diverged(at_step: int) -> Diverged:
+        newest = f"the newest checkpoint is step {last_committed}" if last_committed is not None else \
+            "no checkpoint of this run was committed"
+        return Diverged(f"training diverged by step {at_step}: the weights hold NaN or inf and were not committed; "
+                        f"{newest} (lower --lr or lengthen --warmup-steps; with --amp fp16 try bf16)")
+
     def save(pos: Position) -> None:
+        nonlocal last_committed
         if local_sgd:
             local_sgd.synchronise()  # the checkpoint holds rank 0's state: make it every rank's
+        if not weights_are_finite(ctx, model):  # rotation would otherwise drop the good checkpoints
+            raise diverged(pos.step)
         if ctx.is_main:
             path = checkpoint.save(Path(cfg.checkpoint_dir), pos.step, snapshot(pos), cfg.keep_checkpoints)
             log.info("checkpoint committed: %s", path)
+        last_committed = pos.step
         distributed.barrier(ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
     def validate() -> dict[str, float]:
@@ -286,6 +312,10 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                 log.info("first step done %.1f s after the worker started", time.perf_counter() - started)
             if step % cfg.log_every == 0 or step == total_steps:
                 train_loss = distributed.all_reduce_sum(ctx, loss_sum).item() / (loss_count * ctx.world_size)
+                # The same loss on every rank, so every rank joins the check. A non-finite loss with
+                # finite weights is an fp16 overflow the loss scaler skipped: training goes on.
+                if not math.isfinite(train_loss) and not weights_are_finite(ctx, model):
+                    raise diverged(step)
                 now = time.perf_counter()
                 rate = window_steps * cfg.samples_per_step / (now - window_start)
                 lr = scheduler.get_last_lr()[0]
