@@ -287,6 +287,7 @@ def test_a_diverging_run_stops_with_one_line_and_commits_no_nan_weights(tmp_path
     assert failed_step % min(log_every, checkpoint_every) == 0  # caught at the first check after it
     assert "were not committed" in lines[0] and "lower --lr" in lines[0]
     assert error_lines(output)[-1].startswith("error: training failed: rank "), output[-3000:]
+    assert "exited with code 1" in error_lines(output)[-1] and "terminate called" not in output
 
     kept = checkpoint.list_checkpoints(tmp_path / "checkpoints")
     assert all(int(p.stem[5:]) < failed_step for p in kept)

@@ -17,13 +17,20 @@ class UsageError(Exception):
         self.parts = (setting, problem, fix)
 
 
+def print_error(message: str) -> None:
+    """`error: <message>` on stderr in one write: ranks that fail together share the stream, and
+    unbuffered (PYTHONUNBUFFERED, as in the image) print() writes the newline separately."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def exit_on_usage_error():
     """Turn a UsageError into the documented one-line error and exit code 2."""
     try:
         yield
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print_error(str(err))
         raise SystemExit(USAGE_EXIT_CODE) from None
 
 

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 from trainer.config import TrainConfig, load_config
 from trainer.distributed import DEFAULT_MASTER_PORT, detect_topology
 from trainer.doctor import visible_gpu_count
-from trainer.errors import UsageError, env_int, exit_on_usage_error
+from trainer.errors import UsageError, env_int, exit_on_usage_error, print_error
 
 DEFAULT_RDZV_TIMEOUT = 900
 
@@ -141,8 +141,7 @@ def run_preflight(cfg: TrainConfig) -> None:
         print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)
     if failed:
         first = failed[0]
-        print(f"error: preflight: {first.name}: {first.value} ({first.fix}; PREFLIGHT=0 skips the checks)",
-              file=sys.stderr, flush=True)
+        print_error(f"preflight: {first.name}: {first.value} ({first.fix}; PREFLIGHT=0 skips the checks)")
         raise SystemExit(2)
 
 

@@ -12,6 +12,8 @@ import signal
 import sys
 from typing import Mapping
 
+from trainer.errors import print_error
+
 # Workers find their host's agent (this process) here: see stop_host_agent.
 AGENT_PID_ENV = "TRAINER_AGENT_PID"
 RENDEZVOUS_FIX = ("start every host with the same NNODES, MASTER_ADDR and MASTER_PORT, NODE_RANK 0 first; "
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(args))
     except ChildFailedError as err:
         message, code = describe_child_failure(err.failures)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print_error(message)
         return code
     except SignalException as err:
         # torchrun has already passed the signal on and waited for the workers, which checkpoint and exit 0.
@@ -95,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if err.sigval in (signal.SIGTERM, signal.SIGINT) else 1
     except (RendezvousError, DistError, TimeoutError) as err:
         detail = " ".join(str(err).split())[:300]
-        print(f"error: rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({RENDEZVOUS_FIX})",
-              file=sys.stderr, flush=True)
+        print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({RENDEZVOUS_FIX})")
         return 1
     return 0
 

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Callable, Mapping
 from trainer import distributed
 from trainer.config import TrainConfig, load_config
 from trainer.distributed import DistContext
-from trainer.errors import UsageError, exit_on_usage_error
+from trainer.errors import UsageError, exit_on_usage_error, print_error
 from trainer.supervisor import stop_host_agent
 
 log = logging.getLogger("trainer")
@@ -38,15 +37,14 @@ def main(argv: list[str] | None = None) -> int:
             check_same_software(ctx)
             return train(cfg, ctx, started)
     except (CheckpointError, Diverged) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print_error(str(err))
         return 1
     except Exception as err:
         what = distributed.collective_failure(err)
         if what is None:
             raise
-        print(f"error: collective: {what} (a peer rank died or stalled, or the network between hosts broke; "
-              f"see the other ranks' logs; --collective-timeout, now {cfg.collective_timeout:g} s, sets the wait)",
-              file=sys.stderr, flush=True)
+        print_error(f"collective: {what} (a peer rank died or stalled, or the network between hosts broke; see "
+                    f"the other ranks' logs; --collective-timeout, now {cfg.collective_timeout:g} s, sets the wait)")
         return 1
     finally:
         distributed.teardown(ctx)
