@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,3 +198,24 @@ def write_image_folder(root: Path, classes: Iterable[str] = ("cat", "dog"), per_
                 size = (40 + 8 * i, 36 + 4 * label)  # varied sizes: the resize/crop path has work to do
                 pixels = _random_bytes(size[0] * size[1] * 3, seed)
                 Image.frombytes("RGB", size, pixels).save(folder / f"{i}.png")
+
+
+def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, args: Sequence[str],
+                   env: Mapping[str, str] | None = None, timeout: float = 600) -> dict:
+    """`python -m bench` on two stacks, which must succeed with what every such run shows: the rounds
+    interleaved, every run timed, and `ratio` ("a/b") the ratio of the two medians in the JSON and
+    the markdown. Returns the JSON result."""
+    command = [sys.executable, "-m", "bench", "--stacks", *stacks, "--nproc", str(nproc), "--rounds", "3",
+               *args, "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads(next(out.glob("bench-*.json")).read_text())
+    assert [(r["round"], r["stack"]) for r in result["runs"]] == [(n, stack) for n in (1, 2, 3) for stack in stacks]
+    assert all(r["samples_per_second"] > 0 for r in result["runs"])
+    numerator, denominator = ratio.split("/")
+    medians = result["stacks"][str(nproc)]
+    value = result["ratios"][str(nproc)][ratio]
+    assert value == pytest.approx(medians[numerator]["median"] / medians[denominator]["median"])
+    assert f"{ratio} = {value:.3f}" in next(out.glob("bench-*.md")).read_text()
+    return result
