@@ -289,11 +289,12 @@ def test_a_diverging_run_stops_with_one_line_and_commits_no_nan_weights(tmp_path
     assert error_lines(output)[-1].startswith("error: training failed: rank "), output[-3000:]
     assert "exited with code 1" in error_lines(output)[-1] and "terminate called" not in output
 
-    kept = checkpoint.list_checkpoints(tmp_path / "checkpoints")
-    assert all(int(p.stem[5:]) < failed_step for p in kept)
-    for path in kept:
-        assert all(t.isfinite().all() for t in checkpoint.load(path)["model"].values() if t.is_floating_point())
-    newest = f"the newest checkpoint is step {int(kept[-1].stem[5:])}" if kept else "no checkpoint of this run"
+    kept = checkpoint_steps(tmp_path / "checkpoints")  # oldest first
+    assert all(step < failed_step for step in kept)
+    for step in kept:
+        state = checkpoint.load(checkpoint.checkpoint_path(tmp_path / "checkpoints", step))
+        assert all(t.isfinite().all() for t in state["model"].values() if t.is_floating_point())
+    newest = f"the newest checkpoint is step {kept[-1]}" if kept else "no checkpoint of this run"
     assert newest in lines[0]
 
 
