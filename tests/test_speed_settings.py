@@ -1,4 +1,5 @@
-"""Speed settings keep training correct: the fused optimizer, and opt-in periodic averaging (local SGD)."""
+"""Speed settings keep training correct: the fused optimizer, mixed precision, and opt-in periodic averaging
+(local SGD)."""
 from __future__ import annotations
 
 import copy
@@ -107,6 +108,24 @@ def test_an_fp16_run_resumes_from_a_checkpoint_of_another_precision():
     resumed = torch.amp.GradScaler("cpu")
     load_scaler_state(resumed, {**scaler.state_dict(), "scale": 32768.0})  # an fp16 checkpoint's own scale
     assert resumed.get_scale() == 32768.0
+
+
+AMP_RUN = ["--model", "resnet18", "--synthetic-size", "768", "--batch-size", "16", "--max-steps", "24", "--lr", "0.05",
+           "--warmup-steps", "4", "--log-every", "8", "--val-every", "0", "--num-workers", "0"]
+
+
+def test_bf16_trains_under_autocast_on_the_cpu_and_fp16_falls_back_to_fp32(tmp_path):
+    runs = {}
+    for amp in ("off", "bf16", "fp16"):
+        result = train_ok([*AMP_RUN, "--amp", amp, *dirs_args(tmp_path / amp)], tmp_path, nproc=2)
+        runs[amp] = (result.stderr, final_params(tmp_path / amp / "checkpoints"))
+    fp32, bf16, fp16 = (params for _, params in runs.values())
+    # bf16 matmuls and convolutions round to 8 bits of mantissa: the run takes another path, and still learns.
+    assert max_param_difference(bf16, fp32) > 1e-4
+    assert read_summary(tmp_path / "bf16" / "runs")["train_loss"] < 1.5  # the mean of steps 17-24; chance: 2.30
+    # fp16 needs CUDA's loss scaler: on the CPU it is fp32, step for step, and says so.
+    assert "--amp fp16 applies to CUDA only" in runs["fp16"][0]
+    assert_same_params(fp16, fp32)
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ class TrainConfig:
     lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"))
     warmup_steps: int = option(50, "linear warm-up steps")
     # Speed.
-    amp: str = option("off", "mixed precision on CUDA", ("off", "bf16", "fp16"))
+    amp: str = option("off", "mixed precision: bf16 (CUDA and CPUs), fp16 (CUDA, with a loss scaler)",
+                     ("off", "bf16", "fp16"))
     channels_last: bool = option(False, "NHWC memory format (faster convolutions on tensor cores)")
     compile: bool = option(False, "torch.compile the model")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes")

@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -129,6 +129,21 @@ def weights_are_finite(ctx: DistContext, model) -> bool:
     return distributed.all_reduce_sum(ctx, bad).item() == 0
 
 
+def precision_on(device, cfg: TrainConfig) -> TrainConfig:
+    """--amp as this device runs it, decided once (the optimizer and the checkpoint follow it)."""
+    import torch
+
+    if device.type == "cuda" or cfg.amp == "off":
+        return cfg
+    if cfg.amp == "fp16":  # its loss scaler is CUDA's
+        log.warning("--amp fp16 applies to CUDA only; training in fp32 on the CPU (--amp bf16 works on CPUs)")
+        return replace(cfg, amp="off")
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        log.warning("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): --amp bf16 will likely be "
+                    "slower than fp32 here")
+    return cfg
+
+
 def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -143,9 +158,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.backends.cudnn.benchmark = True
-    elif cfg.amp != "off":
-        log.warning("--amp %s applies to CUDA only; training in fp32 on the CPU", cfg.amp)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp) if cuda else None
+    cfg = precision_on(ctx.device, cfg)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
 
     # A checkpoint that cannot be resumed fails before the data and the model are built.
@@ -169,7 +183,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     model.to(ctx.device, memory_format=memory_format)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    scaler = torch.amp.GradScaler("cuda", enabled=cuda and cfg.amp == "fp16")
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
 
     def snapshot(pos: Position) -> dict[str, Any]:
         return {"format": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -217,7 +231,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     forward = torch.compile(forward) if cfg.compile else forward
 
     def autocast():
-        return torch.autocast("cuda", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        return torch.autocast(ctx.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
 
     last_committed = position.resumed_from_step
 
