@@ -33,6 +33,8 @@ DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
 MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run",
            "baseline": "trainer"}
 TRAINER_STACKS = ("trainer", "container", "baseline")  # they run this trainer, which writes runs/summary.json
+# Besides trainer/<peer>: container parity (over bare metal) and one setting's effect (over the baseline).
+RATIOS = [("container", "trainer"), ("trainer", "baseline")]
 CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
@@ -134,15 +136,11 @@ def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
             per_stack[stack] = {"median": statistics.median(values), "min": min(values), "max": max(values),
                                 "runs": values}
         summary["stacks"][str(nproc)] = per_stack
-        if "trainer" in per_stack:
-            summary["ratios"][str(nproc)] = {f"trainer/{peer}": per_stack["trainer"]["median"] / per_stack[peer]["median"]
-                                             for peer in stacks if peer not in TRAINER_STACKS}
-            if "container" in per_stack:  # parity: the container's throughput over bare metal's
-                summary["ratios"][str(nproc)]["container/trainer"] = (per_stack["container"]["median"]
-                                                                      / per_stack["trainer"]["median"])
-            if "baseline" in per_stack:
-                summary["ratios"][str(nproc)]["trainer/baseline"] = (per_stack["trainer"]["median"]
-                                                                     / per_stack["baseline"]["median"])
+        medians = {stack: values["median"] for stack, values in per_stack.items()}
+        pairs = [("trainer", peer) for peer in stacks if peer not in TRAINER_STACKS] + RATIOS
+        ratios = {f"{a}/{b}": medians[a] / medians[b] for a, b in pairs if a in medians and b in medians}
+        if ratios:
+            summary["ratios"][str(nproc)] = ratios
     low, high = min(nprocs), max(nprocs)
     if high > low:
         for stack in stacks:

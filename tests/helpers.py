@@ -20,6 +20,8 @@ from typing import Iterable, Mapping, Sequence
 import pytest
 import torch
 
+from trainer.checkpoint import list_checkpoints
+
 REPO = Path(__file__).resolve().parents[1]
 # A run of a few steps takes seconds; this bound only turns a hang into a failure.
 RUN_TIMEOUT_S = 300
@@ -116,8 +118,7 @@ def load_checkpoint(path: Path) -> dict:
 
 def final_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The model state of the newest checkpoint (the trainer always checkpoints its last step)."""
-    newest = max(checkpoint_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return load_checkpoint(newest)["model"]
+    return load_checkpoint(list_checkpoints(checkpoint_dir)[0])["model"]  # newest first
 
 
 def max_param_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
