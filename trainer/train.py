@@ -222,6 +222,10 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     ddp_model = model
     if ctx.distributed:
         ddp_model = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
+        if cfg.shm_allreduce:
+            from trainer.shm_allreduce import register_if_usable
+
+            register_if_usable(ddp_model, ctx)
     local_sgd = None
     if ctx.distributed and cfg.local_sgd_period:
         from trainer.local_sgd import PeriodicAveraging
