@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import assert_same_params, dirs_args, final_params, max_param_difference, train_ok
+from trainer.shm_allreduce import SHM_DIR, local_problem
 
 RUN = ["--model", "cnn", "--synthetic-size", "576", "--batch-size", "16", "--max-steps", "6", "--lr", "0.05",
        "--warmup-steps", "2", "--log-every", "3", "--val-every", "0", "--num-workers", "0"]
@@ -31,3 +32,10 @@ def test_three_processes_sum_in_another_order_only(tmp_path):
     # sums up to float rounding, far below a slice left unsummed (5e-3 and more here).
     shm, gloo = train_both_ways(tmp_path, 3, [])
     assert max_param_difference(shm, gloo) < 1e-5
+
+
+def test_too_little_shared_memory_is_named_with_both_sizes():
+    # The trainer then falls back to gloo with this reason in a warning (a collective decision).
+    problem = local_problem(2**60)
+    assert problem.startswith(f"{SHM_DIR} has ") and "MiB free and the gradients need" in problem
+    assert local_problem(1) is None
