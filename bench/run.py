@@ -17,14 +17,13 @@ import datetime
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from trainer.scale import run_counting_other_work
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -93,21 +92,6 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
                       "--image-size", str(args.image_size), "--result", str(workdir / "result.json")]
 
 
-def busy_cpu_seconds() -> float:
-    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat; 0 elsewhere)."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, float]:
     """One run of one stack: its steady-state samples/s over all processes, and how many cores
     other work on the machine kept busy meanwhile (the noise every number here carries)."""
@@ -118,13 +102,12 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
         workdir = Path(tmp)
         workdir.chmod(0o777)  # the container's non-root user writes its results here
         command = stack_command(stack, nproc, args, workdir)
-        busy, own, start = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
-        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
-        others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - start)
+        done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
+                                               timeout=1800)
         if done.returncode != 0:
             sys.exit(f"error: {stack} failed (exit {done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
         result_file = workdir / ("runs/summary.json" if stack in TRAINER_STACKS else "result.json")
-        return float(json.loads(result_file.read_text())["samples_per_second"]), max(0.0, others)
+        return float(json.loads(result_file.read_text())["samples_per_second"]), others
 
 
 def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:

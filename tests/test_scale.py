@@ -48,6 +48,9 @@ def test_table_json_and_plot_hold_what_the_runs_measured(measured):
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
     table = (measured / "scaling.md").read_text()
     assert f"| 2 | {two['samples_per_second']:.1f} |" in table and f"| {two['efficiency']:.2f} |" in table
+    # The noise each number carries: other work's cores during every run, and its median in the table.
+    assert all(run["other_cores_busy"] >= 0 for run in report["runs"])
+    assert "other work on the machine during the runs: median" in table
     assert not list(measured.rglob("*.pt")), "checkpoints of the timing runs are removed"
     if has_matplotlib():
         assert (measured / "scaling.png").read_bytes()[:8] == PNG_MAGIC

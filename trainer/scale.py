@@ -19,11 +19,13 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trainer.config import load_config
@@ -60,16 +62,41 @@ def run_command(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) 
             *trainer_args, "--log-dir", str(run_dir / "runs"), "--checkpoint-dir", str(run_dir / "checkpoints")]
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds all processes of the machine have used since boot (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_counting_other_work(command: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a child to completion, and say how many cores other work on the machine kept busy meanwhile:
+    the noise every timing on a shared machine carries."""
+    busy, own, start = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
+    done = subprocess.run(command, **kwargs)
+    others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - start)
+    return done, max(0.0, others)
+
+
 def measure(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # the same threads per process at every count (torchrun sets 1 only for >1)
     command = run_command(nproc, steps, trainer_args, run_dir)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
-    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done, others = run_counting_other_work(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           text=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a model per run adds up; the summary is kept
     if done.returncode != 0:
         raise SystemExit(f"error: the {nproc}-process run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return read_summary(run_dir / "runs" / "summary.json", f"the {nproc}-process run")
+    return {**read_summary(run_dir / "runs" / "summary.json", f"the {nproc}-process run"), "other_cores_busy": others}
 
 
 def read_summary(path: Path, setting: str = "--from-summaries") -> dict:
@@ -141,7 +168,11 @@ def write_report(runs: list[dict], out: Path, command: str, trainer_args: list[s
     model = runs[0].get("model") or "model"
     title = f"{model}, {runs[0].get('device') or ''}: efficiency = speed-up / processes"
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows, f"`{command}`")
+    title_line = f"`{command}`"
+    if all("other_cores_busy" in r for r in runs):  # measured here, not read from summaries
+        others = statistics.median(r["other_cores_busy"] for r in runs)
+        title_line += f"  \nother work on the machine during the runs: median {others:.2f} cores busy"
+    table = markdown(rows, title_line)
     (out / "scaling.md").write_text(table)
     payload = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "command": command,
                "trainer_args": trainer_args, "rows": rows, "runs": runs}
