@@ -20,9 +20,8 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 
-from trainer.distributed import DistContext, all_gather_objects
+from trainer.distributed import DistContext, all_gather_objects, barrier
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
@@ -62,13 +61,13 @@ class SharedMemoryAllReduce:
 
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP checks them, and this module's are strings
-        """All-reduce one dist.GradBucket in place; returns a completed future of its buffer."""
+        """All-reduce one torch.distributed.GradBucket in place; returns a completed future of its buffer."""
         buffer = bucket.buffer()
         mapped = state.buffers.get(bucket.index())
         if mapped is None or mapped[state.ctx.rank].data_ptr() != buffer.data_ptr():  # DDP rebuilt its buckets
             mapped = state.buffers[bucket.index()] = state.map_bucket(buffer)
         buffer.div_(state.ctx.world_size)
-        dist.barrier()  # every rank's gradients are in its bucket
+        barrier(state.ctx)  # every rank's gradients are in its bucket
         begin = buffer.numel() * state.ctx.rank // state.ctx.world_size
         end = buffer.numel() * (state.ctx.rank + 1) // state.ctx.world_size
         mine = buffer[begin:end]
@@ -78,7 +77,7 @@ class SharedMemoryAllReduce:
         for rank, peer in enumerate(mapped):
             if rank != state.ctx.rank:
                 peer[begin:end].copy_(mine)
-        dist.barrier()  # every slice is summed: the buckets may be read, and next step written
+        barrier(state.ctx)  # every slice is summed: the buckets may be read, and next step written
         done = torch.futures.Future()
         done.set_result(buffer)
         return done
