@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from dotenv import dotenv_values
 
-from trainer.errors import UsageError
+from trainer.errors import OneLineErrorParser, UsageError
 
 ENV_PREFIX = "TRAIN_"
 
@@ -103,7 +103,7 @@ def env_name(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog="trainer",
         description="One DistributedDataParallel training worker. Run it under torchrun "
         "(or trainer-launch), under Slurm srun, or alone. Every option is also an environment "
@@ -121,11 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag_name(f.name), default=None, help=help_text,
                                 metavar="{" + ",".join(choices) + "}" if choices else None)
     return parser
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own two-line usage error breaks the one-line contract
-        raise UsageError("arguments", message, "see `trainer --help`")
 
 
 def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -> Any:

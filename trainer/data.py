@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.config import TrainConfig
 from trainer.distributed import DistContext, local_main_first
-from trainer.errors import UsageError
+from trainer.errors import UsageError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
     except Exception as err:  # noqa: BLE001
         reason = failure or err
         raise UsageError("--data-dir", f"{cfg.dataset} is not in '{cfg.data_dir}' and could not be downloaded "
-                         f"({type(reason).__name__}: {str(reason).splitlines()[0][:120]})",
+                         f"({type(reason).__name__}: {first_line(reason, 120)})",
                          "mount the dataset files at the data directory, or use --dataset synthetic") from None
 
     def to_memory(ds) -> InMemoryImages:
@@ -143,7 +143,7 @@ class _ImageFolderWithKeys(Dataset):
         try:
             self.folder = datasets.ImageFolder(str(root))
         except OSError as err:  # no class folders, no images in them, or unreadable
-            raise UsageError("--data-dir", f"{root}: {str(err).splitlines()[0][:200]}",
+            raise UsageError("--data-dir", f"{root}: {first_line(err, 200)}",
                              f"put images in {root}/<class>/ (.jpg, .png, ...) readable by this user") from None
         self.seed = seed
         resize = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
@@ -260,8 +260,10 @@ class Batches:
         for batch_number, (images, labels) in enumerate(self.loader):
             first = batch_number * self.batch_size
             idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
+            # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps at every batch
             yield self._prepare(images.to(self.device, non_blocking=True),
-                                labels.to(self.device, non_blocking=True), idx.to(self.device), epoch)
+                                labels.to(self.device, non_blocking=True), idx.to(self.device, non_blocking=True),
+                                epoch)
 
     def _prepare(self, images: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
         x = images.float().mul_(self.scale).sub_(self.shift)

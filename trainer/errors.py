@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 from typing import Mapping
@@ -15,6 +16,17 @@ class UsageError(Exception):
     def __init__(self, setting: str, problem: str, fix: str):
         super().__init__(f"{setting}: {problem} ({fix})")
         self.parts = (setting, problem, fix)
+
+
+def first_line(err: BaseException, limit: int = 160) -> str:
+    """An exception's first line for a one-line message (some, like EOFError, carry no text at all)."""
+    lines = str(err).strip().splitlines()
+    return (lines[0] if lines else type(err).__name__)[:limit]
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own two-line usage error breaks the one-line contract
+        raise UsageError("arguments", message, f"see `{self.prog} --help`")
 
 
 def print_error(message: str) -> None:

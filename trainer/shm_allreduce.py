@@ -22,6 +22,7 @@ import os
 import torch
 
 from trainer.distributed import DistContext, all_gather_objects, barrier
+from trainer.errors import first_line
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
@@ -90,10 +91,6 @@ def local_problem(nbytes: int) -> str | None:
     if free < nbytes:
         return f"{SHM_DIR} has {free / 2**20:.0f} MiB free and the gradients need {nbytes / 2**20:.0f} MiB"
     return None
-
-
-def first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [type(err).__name__])[0][:120]
 
 
 def sharing_problem(ctx: DistContext, nbytes: int) -> str | None:

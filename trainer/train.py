@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from trainer import distributed
 from trainer.config import TrainConfig, load_config
 from trainer.distributed import DistContext
-from trainer.errors import UsageError, exit_on_usage_error, print_error
+from trainer.errors import UsageError, exit_on_usage_error, first_line, print_error
 from trainer.supervisor import stop_host_agent
 
 log = logging.getLogger("trainer")
@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             model.load_state_dict(state["model"])
             load_optimizer_state(optimizer, state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as err:
-            raise UsageError("--resume", f"{path} does not fit this model ({str(err).splitlines()[0][:160]})",
+            raise UsageError("--resume", f"{path} does not fit this model ({first_line(err)})",
                              "use another --checkpoint-dir or --resume never") from None
         scheduler.load_state_dict(state["scheduler"])
         load_scaler_state(scaler, state["scaler"])
