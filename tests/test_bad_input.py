@@ -71,6 +71,24 @@ def blocking_file(cwd: Path) -> None:
     (cwd / "not-a-dir").write_text("a file where a directory should be\n")
 
 
+def empty_checkpoint(cwd: Path) -> None:
+    (cwd / "empty.pt").touch()
+
+
+def plain_state_dict(cwd: Path) -> None:
+    import torch
+
+    torch.save({"weight": torch.zeros(2)}, cwd / "model.pt")  # loads with weights_only, but is not ours
+
+
+def a_directory(cwd: Path) -> None:
+    (cwd / "somewhere").mkdir()
+
+
+def unreadable_newest_checkpoint(cwd: Path) -> None:
+    (cwd / "checkpoints" / "step-00000099.pt").mkdir()  # cannot be read, like a file of another uid
+
+
 TABLE = {
     # launcher environment: the topology
     "NNODES zero": launcher("NNODES", NNODES="0"),
@@ -119,6 +137,24 @@ TABLE = {
     "data dir is a file": BadInput(WORKER, "--data-dir", ("--dataset", "cifar10", "--data-dir", "not-a-dir"),
                                    files=blocking_file),
     "too little data for one step": worker("--batch-size", "--synthetic-size", "8"),
+    "empty checkpoint file": BadInput(WORKER, "--resume", ("--resume", "empty.pt"), files=empty_checkpoint),
+    "a model's state_dict as checkpoint": BadInput(WORKER, "--resume", ("--resume", "model.pt"),
+                                                   files=plain_state_dict),
+    "newest checkpoint unreadable": BadInput(WORKER, "--checkpoint-dir", files=unreadable_newest_checkpoint),
+    "resume a directory": BadInput(WORKER, "--resume", ("--resume", "somewhere"), files=a_directory),
+    "resume with another optimizer": worker("--optimizer", "--optimizer", "adamw"),
+    "checkpoint dir is a file (worker)": BadInput(WORKER, "--checkpoint-dir", ("--checkpoint-dir", "not-a-dir"),
+                                                  files=blocking_file),
+    "log dir is a file": BadInput(WORKER, "--log-dir", ("--log-dir", "not-a-dir"), files=blocking_file),
+    "log dir empty": worker("TRAIN_LOG_DIR", TRAIN_LOG_DIR=""),
+    "collective timeout beyond a week": launcher("--collective-timeout", "--collective-timeout", "1e10"),
+    "synthetic image size 100000": worker("--synthetic-image-size", "--synthetic-image-size", "100000"),
+    "synthetic data beyond the host's memory": worker("--synthetic-size", "--synthetic-size", "100000000000"),
+    "seed beyond 32 bits": worker("--seed", "--seed", "99999999999999999999"),
+    ".env line that does not parse": BadInput(WORKER, "--env-file", dotenv='TRAIN_LR="0.05\nTRAIN_EPOCHS=1\n'),
+    ".env misspelt name": BadInput(WORKER, "TRAIN_BATCHSIZE", dotenv="TRAIN_BATCHSIZE=16\n"),
+    "environment misspelt name": worker("TRAIN_EPOCH", TRAIN_EPOCH="1"),
+    "RANK without WORLD_SIZE": worker("WORLD_SIZE", RANK="0"),
 }
 
 
@@ -239,3 +275,34 @@ def test_node_with_nobody_at_master_warns_then_fails_at_the_rendezvous_timeout(w
     assert took < FAIL_FAST_BOUND_S + 3, f"took {took:.1f} s"
     assert snapshot(workdir) == before
 
+
+
+def test_misspelt_name_is_told_the_right_one(workdir):
+    result, took = run_bad([*WORKER, *BASE_ARGS], workdir, {"TRAIN_BATCHSIZE": "8"})
+    line = assert_fails_fast_with_one_line(result, took, "TRAIN_BATCHSIZE")
+    assert "did you mean TRAIN_BATCH_SIZE?" in line
+
+
+def test_worker_whose_rendezvous_port_is_taken(workdir, taken_port):
+    """One process per container (RANK and WORLD_SIZE given, no torchrun): the store cannot listen."""
+    before = snapshot(workdir)
+    result, took = run_bad([*WORKER, *BASE_ARGS], workdir,
+                           {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(taken_port)})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    assert result.stderr.strip().startswith(f"error: rendezvous at 127.0.0.1:{taken_port}: "), output[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1, output[-3000:]
+    assert took < FAIL_FAST_BOUND_S
+    assert snapshot(workdir) == before
+
+
+def test_worker_whose_peer_never_comes(workdir):
+    """Rank 1 of 2 with nobody at MASTER_ADDR: one line when --collective-timeout runs out, no traceback."""
+    port = free_port()
+    result, took = run_bad([*WORKER, *BASE_ARGS, "--collective-timeout", "3"], workdir,
+                           {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: rendezvous at 127.0.0.1:{port}: "), output[-3000:]
+    assert took < FAIL_FAST_BOUND_S + 3

@@ -9,6 +9,7 @@ import pytest
 
 from helpers import BAD_INPUT_TIMEOUT_S, assert_usage_error, dirs_args, files_under, free_port, run_trainer
 from trainer.config import OPTIONS, TrainConfig, env_name, flag_name, load_config
+from trainer.errors import UsageError
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
@@ -130,3 +131,18 @@ def test_nccl_without_gpu(tmp_path):  # the test environment hides any GPU
     assert "gloo" in line  # the fix it offers
     assert files_under(tmp_path) == set()
 
+
+
+def test_resume_never_becomes_auto_when_torchrun_restarts_the_workers(tmp_path):
+    """The first attempt checked that the directory was empty: what is there now is this run's own."""
+    (tmp_path / "step-00000010.pt").touch()
+    args = ["--env-file", str(tmp_path / "absent.env"), "--resume", "never", "--checkpoint-dir", str(tmp_path)]
+    with pytest.raises(UsageError, match="holds another run's checkpoints"):
+        load_config(args, {"TORCHELASTIC_RESTART_COUNT": "0"}, world_size=1)
+    assert load_config(args, {"TORCHELASTIC_RESTART_COUNT": "1"}, world_size=1).resume == "auto"
+
+
+def test_dotenv_written_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / ".env"
+    path.write_bytes("TRAIN_MODEL=cnn\n".encode("utf-8-sig"))
+    assert load_config(["--env-file", str(path)], {}, world_size=1).model == "cnn"

@@ -15,6 +15,7 @@ from trainer.config import load_config
 from trainer.data import (DOWNLOAD_STALL_TIMEOUT_S, Batches, build_datasets, make_synthetic, random_crop_flip,
                           sample_keys)
 from trainer.distributed import DistContext, Topology
+from trainer.errors import UsageError
 
 CPU = torch.device("cpu")
 
@@ -136,6 +137,27 @@ def test_imagefolder_trains_through_the_dataloader_with_and_without_workers(tmp_
         assert final_params(root / "checkpoints")["head.2.weight"].shape[0] == 2  # two classes
     # Random crops are seeded per sample, not per worker: the worker count cannot change the result.
     assert_same_params(final_params(runs[0] / "checkpoints"), final_params(runs[2] / "checkpoints"))
+
+
+def test_imagefolder_val_classes_must_match_train(tmp_path):
+    """Labels are class indices in sorted folder order: a val/ with other folders would be mislabelled."""
+    write_image_folder(tmp_path / "data", per_class={"train": 1})
+    write_image_folder(tmp_path / "data", classes=("cat", "cow"), per_class={"val": 1})
+    cfg = config(tmp_path, "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"))
+    with pytest.raises(UsageError, match=r"different class folders \(cow, dog in only one of them\)"):
+        build_datasets(cfg, context())
+
+
+def test_imagefolder_augmentation_leaves_the_global_rng_alone(tmp_path):
+    """With --num-workers 0 the dataset runs in the training process, whose RNG the checkpoint saves."""
+    write_image_folder(tmp_path / "data", per_class={"train": 2, "val": 1})
+    train, _, _ = build_datasets(config(tmp_path, "--dataset", "imagefolder", "--data-dir",
+                                        str(tmp_path / "data")), context())
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = train[(0, 0)][0]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(train[(0, 0)][0], first)  # and the sample is still a function of its key
 
 
 # ---------------------------------------------------------------------------------- input paths

@@ -166,7 +166,8 @@ from pathlib import Path
 from trainer import checkpoint
 directory = Path(sys.argv[1])
 for step in range(1, 1000):  # 64 MiB each: a write takes long enough to be caught in the middle
-    checkpoint.save(directory, step, {"step": step, "weights": torch.full((16 << 20,), float(step))}, keep=2)
+    state = {"format": checkpoint.FORMAT, "step": step, "weights": torch.full((16 << 20,), float(step))}
+    checkpoint.save(directory, step, state, keep=2)
 """
 
 
@@ -191,7 +192,7 @@ def test_sigkill_during_checkpoint_write_leaves_only_loadable_checkpoints(tmp_pa
     state, path = checkpoint.load_for_resume(directory, "auto")
     assert path == committed[0]
 
-    checkpoint.save(directory, state["step"] + 1, {"step": state["step"] + 1}, keep=2)
+    checkpoint.save(directory, state["step"] + 1, {"format": checkpoint.FORMAT, "step": state["step"] + 1}, keep=2)
     assert not list(directory.glob(".tmp-*")), "the next save removes what the killed writer left"
 
 

@@ -100,3 +100,17 @@ def test_resume_never_starts_fresh(tmp_path):
               "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
     summary = read_summary(tmp_path / "runs")
     assert (summary["resumed_from_step"], summary["global_step"]) == (None, 2)
+
+
+def test_a_finished_run_started_again_changes_nothing(tmp_path):
+    """`docker compose up` after the job completed: nothing trains, the summary and checkpoints stay."""
+    run = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", *dirs_args(tmp_path)]
+    train_ok([*run, "--epochs", "2"], tmp_path)
+    summary = (tmp_path / "runs" / "summary.json").read_bytes()
+    checkpoints = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").iterdir()}
+    again = train_ok([*run, "--epochs", "2"], tmp_path)
+    assert "nothing to do: " in again.stderr and "is at step 8 of 8" in again.stderr, again.stderr[-3000:]
+    assert (tmp_path / "runs" / "summary.json").read_bytes() == summary
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").iterdir()} == checkpoints
+    longer = train_ok([*run, "--epochs", "3"], tmp_path)  # more epochs: it trains on from step 8
+    assert "resuming from" in longer.stderr and read_summary(tmp_path / "runs")["global_step"] == 12

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
-from helpers import (checkpoint_steps, dirs_args, final_params, load_checkpoint, max_param_difference,
+from helpers import (checkpoint_steps, dirs_args, final_params, free_port, load_checkpoint, max_param_difference,
                      read_scalars, read_summary, train_ok, write_mnist)
+from trainer.metrics import Throughput
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
 TRAIN_TAGS = {"Loss/train", "lr", "throughput/samples_per_s", "time/epoch_s"}
@@ -114,3 +116,28 @@ def test_world_size_invariance(tmp_path):
     # The comparison has teeth: the last 10 steps alone moved the weights far more than the tolerance.
     step_10 = load_checkpoint(one / "checkpoints" / "step-00000010.pt")["model"]
     assert max_param_difference(a, step_10) > 100 * INVARIANCE_ATOL
+
+
+def test_throughput_leaves_out_validation_and_checkpoints():
+    """Steps of ~10 ms with a 0.5 s pause among them: counted, the pause would cut the rate to a fifth."""
+    syncs = []
+    throughput = Throughput(samples_per_step=100, warmup=2, sync=lambda: syncs.append(1))
+    for step in range(1, 13):
+        time.sleep(0.01)
+        if step == 6:
+            with throughput.paused():
+                time.sleep(0.5)
+        throughput.step(last=step == 12)
+    whole_window = throughput.window_rate()
+    steady = throughput.samples_per_second()
+    assert steady > 3 * 100 * 10 / (10 * 0.01 + 0.5), steady  # 10 measured steps, well above the paused rate
+    assert whole_window > 3 * 100 * 12 / (12 * 0.01 + 0.5), whole_window
+    assert len(syncs) == 4  # window start, both sides of the pause, window end
+
+
+def test_one_process_per_container_without_master_addr(tmp_path):
+    """RANK and WORLD_SIZE alone (one container per rank): MASTER_ADDR defaults to this host."""
+    result = train_ok(["--model", "cnn", "--synthetic-size", "32", "--batch-size", "16", "--epochs", "1",
+                       *dirs_args(tmp_path)], tmp_path, env={"RANK": "0", "WORLD_SIZE": "1",
+                                                             "MASTER_PORT": str(free_port())})
+    assert read_summary(tmp_path / "runs")["backend"] == "gloo", result.stderr[-3000:]

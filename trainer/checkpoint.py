@@ -6,21 +6,25 @@ At resume the newest file that loads is used; a truncated or corrupt one is skip
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.errors import UsageError
+from trainer.errors import UsageError, first_line
 
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^step-(\d{8,})\.pt$")
 TEMP_PREFIX = ".tmp-"
+FORMAT = 1  # the "format" key of every checkpoint this trainer writes
+FULL_DISK_BYTES = 1 << 20
 
 
 class CheckpointError(Exception):
@@ -40,10 +44,10 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
     temp = directory / f"{TEMP_PREFIX}{final.name}.{os.getpid()}"
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         with open(temp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -51,15 +55,26 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
         os.replace(temp, final)
         _fsync_dir(directory)
     except (OSError, RuntimeError) as err:
-        temp.unlink(missing_ok=True)
-        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in str(err):
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        if _out_of_space(err, directory):
             raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
                                   f"(free space in {directory}; older checkpoints are intact)") from None
-        raise CheckpointError(f"--checkpoint-dir: cannot write {final} ({err})") from None
+        raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
+                              f"writable directory for uid {os.getuid()}; older checkpoints are intact)") from None
     for old in list_checkpoints(directory)[keep:]:
         old.unlink(missing_ok=True)
     _remove_stale_temps(directory)
     return final
+
+
+def _out_of_space(err: BaseException, directory: Path) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch's zip writer reports a full disk as a failed write ("unexpected pos ..."): ask the disk.
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    return False
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -81,6 +96,20 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _load_ours(path: Path) -> dict[str, Any]:
+    """A checkpoint this trainer wrote; OSError if the file cannot be read, ValueError if it is something else."""
+    state = load(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError("a torch file, but not a checkpoint written by this trainer")
+    return state
+
+
+def _unreadable(path: Path, err: OSError) -> UsageError:
+    # Not corruption: the file may be fine (a uid mismatch, a stale mount), so it is neither set aside nor skipped.
+    return UsageError("--checkpoint-dir", f"cannot read {path} ({err.strerror or first_line(err)})",
+                      f"make the checkpoints readable by uid {os.getuid()}, or move the file away")
+
+
 def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path] | None:
     """The state to resume from, or None to start fresh. An explicit path must load."""
     if resume == "never":
@@ -88,19 +117,28 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
     if resume != "auto":
         path = Path(resume)
         try:
-            return load(path), path
+            return _load_ours(path), path
+        except OSError as err:
+            raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors all mean "not a checkpoint")
             raise UsageError("--resume", f"'{path}' is not a loadable checkpoint "
-                             f"({type(err).__name__}: {str(err).splitlines()[0][:160]})",
+                             f"({type(err).__name__}: {first_line(err)})",
                              "give a checkpoint written by this trainer, or --resume auto") from None
     for path in list_checkpoints(directory):
         try:
-            return load(path), path
+            return _load_ours(path), path
+        except OSError as err:
+            raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001
             # Set aside, not deleted (someone may want to inspect it), and out of the rotation, which
             # would otherwise keep this highest step and delete the good checkpoints below it.
             aside = path.with_name(path.name + ".corrupt")
-            path.rename(aside)
+            try:
+                path.rename(aside)
+            except OSError as rename_err:
+                raise UsageError("--checkpoint-dir", f"{path} does not load ({first_line(err)}) and cannot be "
+                                 f"moved aside ({rename_err.strerror})",
+                                 "remove it, or make the checkpoint directory writable") from None
             log.warning("checkpoint %s does not load (%s: %s); moved to %s, trying the previous one",
-                        path, type(err).__name__, str(err).splitlines()[0][:160], aside.name)
+                        path, type(err).__name__, first_line(err), aside.name)
     return None

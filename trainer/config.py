@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import io
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dotenv import dotenv_values
+from dotenv.parser import parse_stream
 
 from trainer.errors import OneLineErrorParser, UsageError
 
@@ -24,6 +28,7 @@ MODELS = ("resnet18", "resnet50", "cifar_resnet18", "cnn", "autoencoder")
 DATASETS = ("synthetic", "cifar10", "mnist", "imagefolder")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
+WEEK_S = 7 * 24 * 3600
 
 
 def option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
@@ -60,7 +65,8 @@ class TrainConfig:
     shm_allreduce: bool = option(True, "CPU processes all on one host: all-reduce gradients through shared "
                                  "memory instead of gloo's TCP (the same sums)")
     loader: str = option("auto", "input path: memory (batched tensor ops, on the GPU when there is one), "
-                         "dataloader (worker processes), auto (memory when the dataset fits)",
+                         "dataloader (worker processes), auto (memory for in-memory datasets: synthetic, "
+                         "cifar10, mnist)",
                          ("auto", "memory", "dataloader"))
     num_workers: int = option(2, "DataLoader worker processes per training process")
     # Observability.
@@ -153,6 +159,8 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_si
     """Merge flags, environment, .env and defaults into a validated TrainConfig."""
     args = build_parser().parse_args(argv)
     dotenv = _read_dotenv(args.env_file)
+    _reject_unknown_names(environ, "the environment")
+    _reject_unknown_names(dotenv, args.env_file)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # option -> the setting the user wrote, for error messages
     for f in OPTIONS:
@@ -168,16 +176,34 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_si
         # With postponed annotations f.type is the annotation's text: "int", "bool", ...
         values[f.name] = _convert(raw, f.type, setting, f.metadata["choices"])
         sources[f.name] = setting
+    if values.get("resume") == "never" and environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        # torchrun restarted the workers after a failure: the checkpoints there are this run's own.
+        values["resume"] = "auto"
     return _validated(TrainConfig(**values), world_size, sources)
+
+
+def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
+    """A misspelt TRAIN_ name would otherwise be ignored in silence, and the run train with the default."""
+    known = [env_name(f.name) for f in OPTIONS]
+    for name in variables:
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(name, f"in {where} is not a training setting", f"{hint}`trainer --help` lists them")
 
 
 def _read_dotenv(path: str) -> dict[str, str]:
     if not Path(path).is_file():
         return {}
     try:
-        return {k: v for k, v in dotenv_values(path).items() if v is not None}
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError("--env-file", f"cannot read {path}: {err}", "fix or remove the file") from None
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.error:  # python-dotenv only logs these and drops the line: the setting would be lost
+            raise UsageError("--env-file", f"{path} line {binding.original.line} is not KEY=value: "
+                             f"{binding.original.string.strip()[:80]!r}", "fix the line (quote values with spaces)")
+    return {k: v for k, v in dotenv_values(stream=io.StringIO(text)).items() if v is not None}
 
 
 def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
@@ -188,9 +214,22 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
                           ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
                           ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
                           ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
-                          ("collective_timeout", 1), ("local_sgd_period", 0)):
+                          ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0)):
         if getattr(cfg, name) < minimum:
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
+    for name, maximum in (("synthetic_image_size", 1024), ("collective_timeout", WEEK_S), ("seed", 2**32 - 1)):
+        if getattr(cfg, name) > maximum:
+            raise UsageError(setting(name), f"{getattr(cfg, name):g} is above {maximum}", f"use {maximum} or less")
+    for name in ("data_dir", "log_dir", "checkpoint_dir"):
+        if not getattr(cfg, name).strip():
+            raise UsageError(setting(name), "is empty", "give a directory path")
+    if cfg.dataset == "synthetic":
+        need = round(cfg.synthetic_size * 1.2) * 3 * cfg.synthetic_image_size ** 2  # uint8, train + val
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > have:
+            raise UsageError(setting("synthetic_size"), f"{cfg.synthetic_size} images of {cfg.synthetic_image_size}"
+                             f"x{cfg.synthetic_image_size} need {need / 2**30:.1f} GiB and this host has "
+                             f"{have / 2**30:.1f} GiB", "lower --synthetic-size or --synthetic-image-size")
     if cfg.momentum >= 1:
         raise UsageError(setting("momentum"), f"{cfg.momentum} must be below 1", "use a value such as 0.9")
     batch_size = cfg.batch_size
@@ -218,12 +257,14 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file():
-        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
-                         "give an existing checkpoint file, auto or never")
+        problem = "is a directory" if Path(cfg.resume).is_dir() else "does not exist"
+        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' {problem}",
+                         "give a checkpoint file (step-*.pt), auto or never")
     if cfg.resume == "never" and any(Path(cfg.checkpoint_dir).glob("step-*.pt")):
         # Rotation keeps the highest steps: a fresh run there would lose its own checkpoints first.
         raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
-                         "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto")
+                         "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
+                         "which a run restarted after a failure needs")
     if cfg.model == "autoencoder" and cfg.channels_last:
         raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
                          "drop --channels-last for --model autoencoder")

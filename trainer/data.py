@@ -122,7 +122,7 @@ def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
         train, val = cls(cfg.data_dir, train=True), cls(cfg.data_dir, train=False)
     except Exception as err:  # noqa: BLE001
         reason = failure or err
-        raise UsageError("--data-dir", f"{cfg.dataset} is not in '{cfg.data_dir}' and could not be downloaded "
+        raise UsageError("--data-dir", f"{cfg.dataset} could not be read from '{cfg.data_dir}' nor downloaded "
                          f"({type(reason).__name__}: {first_line(reason, 120)})",
                          "mount the dataset files at the data directory, or use --dataset synthetic") from None
 
@@ -155,9 +155,10 @@ class _ImageFolderWithKeys(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
-        torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, self.seed)))
         path, label = self.folder.samples[index]
-        return self.transform(self.folder.loader(path)), label
+        with torch.random.fork_rng(devices=[]):  # with --num-workers 0 this is the training process's RNG
+            torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, self.seed)))
+            return self.transform(self.folder.loader(path)), label
 
 
 class _MemoryAsDataset(Dataset):
@@ -190,6 +191,11 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
     val = _ImageFolderWithKeys(root / "val", False, 224, cfg.seed) if (root / "val").is_dir() else None
     if val is None:
         log.warning("no val/ folder under %s: validation is skipped", root)
+    elif val.folder.classes != train.folder.classes:  # labels are class indices: any difference mislabels val
+        differ = sorted(set(val.folder.classes) ^ set(train.folder.classes))
+        raise UsageError("--data-dir", f"train/ and val/ under {root} have different class folders "
+                         f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} in only one of them)",
+                         "give val/ the same class folders as train/")
     return train, val, DataSpec(3, 224, len(train.folder.classes), IMAGENET_MEAN, IMAGENET_STD, False)
 
 
@@ -231,7 +237,8 @@ class Batches:
             self.loader = DataLoader(
                 data if not in_memory else _MemoryAsDataset(data), batch_size=self.batch_size,
                 sampler=self.order, num_workers=workers, pin_memory=self.device.type == "cuda",
-                persistent_workers=workers > 0, drop_last=train, prefetch_factor=4 if workers else None)
+                # Validation's workers live only while it runs: between them they would hold memory for nothing.
+                persistent_workers=train and workers > 0, drop_last=train, prefetch_factor=4 if workers else None)
         mean = torch.tensor(spec.mean, device=self.device).view(1, -1, 1, 1)
         std = torch.tensor(spec.std, device=self.device).view(1, -1, 1, 1)
         self.scale, self.shift = 1 / (255 * std), mean / std

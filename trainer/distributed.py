@@ -51,6 +51,9 @@ def first_slurm_host(nodelist: str) -> str:
 
 def detect_topology(env: Mapping[str, str]) -> Topology:
     """Read the rank facts that torchrun or srun put in the environment (none: one plain process)."""
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise UsageError(missing, f"is not set but {given} is", "set both (as torchrun does) or neither")
     if "RANK" in env and "WORLD_SIZE" in env:
         world_size = env_int(env, "WORLD_SIZE", None, 1)
         rank = env_int(env, "RANK", None, 0)
@@ -127,18 +130,18 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
     backend = resolve_backend(backend_choice)
     if torch.cuda.is_available():
         if topology.local_rank >= torch.cuda.device_count():
-            raise UsageError("NPROC_PER_NODE", f"local rank {topology.local_rank} has no GPU "
-                             f"({torch.cuda.device_count()} visible)", "start at most one process per GPU")
+            raise UsageError("LOCAL_RANK", f"{topology.local_rank} has no GPU ({torch.cuda.device_count()} visible)",
+                             "start at most one process per GPU: NPROC_PER_NODE, torchrun --nproc-per-node or "
+                             "srun --ntasks-per-node")
         torch.cuda.set_device(topology.local_rank)
         device = torch.device("cuda", topology.local_rank)
     else:
         device = torch.device("cpu")
     if not topology.distributed:
         return DistContext(topology, "none", device)
-    if topology.launcher == "slurm":  # env:// reads these; torchrun already set them
-        os.environ.update(MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port),
-                          RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size),
-                          LOCAL_RANK=str(topology.local_rank))
+    # env:// reads these; srun, and a container given only RANK and WORLD_SIZE, leave some unset.
+    os.environ.update(MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port),
+                      RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank))
     timeout = datetime.timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -156,9 +159,9 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
     return DistContext(topology, backend, device, control)
 
 
-# gloo and the c10d store raise plain RuntimeErrors; these words tell a lost peer from a bug.
-_PEER_LOST = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|gloo|nccl|"
-                        r"socket|peer|store", re.IGNORECASE)
+# gloo raises plain RuntimeErrors; these words tell a lost peer from a bug (whose traceback must show).
+_PEER_LOST = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|closed by peer|"
+                        r"socket|remote process exited|network error", re.IGNORECASE)
 
 
 def collective_failure(err: BaseException) -> str | None:

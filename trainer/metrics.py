@@ -5,13 +5,14 @@ Only rank 0 writes; other ranks print warnings and errors, prefixed with their r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from trainer.distributed import DistContext
 
@@ -72,26 +73,48 @@ class Progress:
 
 
 class Throughput:
-    """Steady-state samples/s: the first `warmup` steps (allocator, cudnn, compile) are not counted."""
+    """Training samples/s. Not counted: the first `warmup` steps (allocator, cudnn, compile) and time
+    spent `paused()` (validation, checkpoints), which would make the number depend on their settings."""
 
     def __init__(self, samples_per_step: int, warmup: int, sync: Callable[[], None]):
         self.samples_per_step, self.warmup, self.sync = samples_per_step, warmup, sync
         self.steps_seen = 0
-        self.start: float | None = None
-        self.end: float | None = None
+        self.paused_s = 0.0
+        self.start: tuple[float, float] | None = None  # (clock, paused_s) where the steady-state window opens
+        self.end: tuple[float, float] | None = None
         self.measured_steps = 0
+        self.window, self.window_steps = self._now(), 0  # the logging window
+
+    def _now(self) -> tuple[float, float]:
+        return time.perf_counter(), self.paused_s
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.sync()  # queued training work belongs to training, and queued pause work to the pause
+        began = time.perf_counter()
+        yield
+        self.sync()
+        self.paused_s += time.perf_counter() - began
 
     def step(self, last: bool = False) -> None:
         """last: the run's final step; the window closes there, before the final checkpoint is written."""
         self.steps_seen += 1
+        self.window_steps += 1
         if self.steps_seen == self.warmup:
             self.sync()  # once: queued GPU work must not count in the window
-            self.start = time.perf_counter()
+            self.start = self._now()
         elif self.start is not None:
             self.measured_steps += 1
             if last:
                 self.sync()
-                self.end = time.perf_counter()
+                self.end = self._now()
+
+    def window_rate(self) -> float:
+        """samples/s since the previous call (the caller has just synced, reading the loss)."""
+        now = self._now()
+        rate = self.window_steps * self.samples_per_step / _training_seconds(self.window, now)
+        self.window, self.window_steps = now, 0
+        return rate
 
     def samples_per_second(self) -> float | None:
         if self.start is None or self.measured_steps == 0:
@@ -99,8 +122,12 @@ class Throughput:
         end = self.end
         if end is None:  # stopped before the last step: the window ends now
             self.sync()
-            end = time.perf_counter()
-        return self.measured_steps * self.samples_per_step / (end - self.start)
+            end = self._now()
+        return self.measured_steps * self.samples_per_step / _training_seconds(self.start, end)
+
+
+def _training_seconds(begin: tuple[float, float], end: tuple[float, float]) -> float:
+    return (end[0] - begin[0]) - (end[1] - begin[1])
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:

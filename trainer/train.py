@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_usage_error():
         topology = distributed.detect_topology(os.environ)
         cfg = load_config(argv, os.environ, topology.world_size)
-        ctx = distributed.setup(topology, cfg.backend, cfg.collective_timeout)
+        try:
+            ctx = distributed.setup(topology, cfg.backend, cfg.collective_timeout)
+        except Exception as err:
+            what = distributed.collective_failure(err)
+            if what is None:
+                raise
+            print_error(f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check MASTER_ADDR, "
+                        f"MASTER_PORT and WORLD_SIZE, and that every rank started; --collective-timeout, now "
+                        f"{cfg.collective_timeout:g} s, sets the wait)")
+            return 1
     from trainer.checkpoint import CheckpointError
     from trainer.metrics import setup_logging
 
@@ -36,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         with exit_on_usage_error():
             check_same_software(ctx)
             return train(cfg, ctx, started)
-    except (CheckpointError, Diverged) as err:
+    except (CheckpointError, Diverged, MainRankFailed) as err:
         print_error(str(err))
         return 1
     except Exception as err:
@@ -73,20 +83,46 @@ def check_same_workload(cfg: TrainConfig, state: dict, path: Path) -> None:
     if (saved_model, saved_data) != (model, data):
         raise UsageError("--resume", f"{path} holds a {saved_model} trained on {saved_data}, this run is "
                          f"a {model} on {data}", "use another --checkpoint-dir or --resume never")
+    if state["config"]["optimizer"] != cfg.optimizer:
+        saved = state["config"]["optimizer"]
+        raise UsageError("--optimizer", f"{path} was trained with {saved}, this run asks for {cfg.optimizer}",
+                         f"use --optimizer {saved} to resume it, or another --checkpoint-dir to start afresh")
+
+
+class MainRankFailed(Exception):
+    """Rank 0 failed in work it did for every rank; rank 0 itself shows why."""
 
 
 def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
     """Rank 0 computes (it owns the checkpoint disk); every rank gets the result, or the same error."""
     outcome: tuple[str, Any] = ("ok", None)
+    failure = None
     if ctx.is_main:
         try:
             outcome = ("ok", fn())
         except UsageError as err:
             outcome = ("error", err.parts)
+        except Exception as err:  # noqa: BLE001 (told to the other ranks, then raised here)
+            outcome, failure = ("failed", f"{type(err).__name__}: {first_line(err)}"), err
     kind, value = distributed.broadcast_from_main(ctx, outcome)
+    if failure is not None:
+        raise failure
     if kind == "error":
         raise UsageError(*value)
+    if kind == "failed":
+        raise MainRankFailed(f"rank 0 failed ({value}); its log has the details")
     return value
+
+
+def ensure_output_dir(path: str, setting: str) -> None:
+    """Create an output directory and prove it takes a file now, not at the first checkpoint an hour in."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise UsageError(setting, f"'{path}' is not a writable directory ({err.strerror or first_line(err)})",
+                         f"point it at a directory uid {os.getuid()} can write, e.g. a mounted volume") from None
 
 
 class GracefulStop:
@@ -176,6 +212,13 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     micro_per_epoch = steps_per_epoch * cfg.grad_accum
     total_steps = steps_per_epoch * cfg.epochs
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    if found is not None and found[0]["global_step"] >= total_steps:
+        # A finished job started again (compose up, a scheduler's retry): its results stay as they are.
+        log.info("nothing to do: %s is at step %d of %d (raise --epochs or --max-steps to train on)",
+                 found[1], found[0]["global_step"], total_steps)
+        return 0
+    on_main_then_share(ctx, lambda: (ensure_output_dir(cfg.checkpoint_dir, "--checkpoint-dir"),
+                                     ensure_output_dir(cfg.log_dir, "--log-dir")))
 
     model = build_model(cfg.model, spec)
     if cfg.sync_bn and ctx.distributed:
@@ -186,7 +229,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
 
     def snapshot(pos: Position) -> dict[str, Any]:
-        return {"format": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        return {"format": checkpoint.FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                 "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
                 "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(),
@@ -290,7 +333,6 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     stop_vote = distributed.StopVote(ctx)
     loss_sum = torch.zeros((), device=ctx.device)  # stays on the device: no per-step host sync
     loss_count, train_loss, val_metrics = 0, None, {}
-    window_start, window_steps = time.perf_counter(), 0
     step, status, epochs_completed = position.step, "completed", position.epoch
     log.info("training %s on %s: world size %d (%s, %s), %d steps of %d samples, %d steps per epoch",
              cfg.model, cfg.dataset, ctx.world_size, ctx.backend, ctx.device, total_steps, cfg.samples_per_step,
@@ -322,7 +364,6 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             step += 1
             if local_sgd:
                 local_sgd.after_step(step)
-            window_steps += 1
             throughput.step(last=step == total_steps)
             if step == position.step + 1:
                 log.info("first step done %.1f s after the worker started", time.perf_counter() - started)
@@ -332,18 +373,18 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                 # finite weights is an fp16 overflow the loss scaler skipped: training goes on.
                 if not math.isfinite(train_loss) and not weights_are_finite(ctx, model):
                     raise diverged(step)
-                now = time.perf_counter()
-                rate = window_steps * cfg.samples_per_step / (now - window_start)
+                rate = throughput.window_rate()
                 lr = scheduler.get_last_lr()[0]
                 scalars.add(step, **{"Loss/train": train_loss, "lr": lr, "throughput/samples_per_s": rate})
                 progress.update(step, epoch, train_loss, lr, rate)
                 loss_sum.zero_()
-                loss_count, window_start, window_steps = 0, now, 0
+                loss_count = 0
             epoch_done = micro == micro_per_epoch
             if epoch_done:
                 epochs_completed = epoch + 1
                 if val_batches is not None and epochs_completed % cfg.val_every == 0:
-                    val_metrics = validate()
+                    with throughput.paused():
+                        val_metrics = validate()
                     scalars.add(step, **val_metrics)
                     log.info("epoch %d validation: %s", epoch,
                              ", ".join(f"{k} {v:.4f}" for k, v in val_metrics.items()))
@@ -352,7 +393,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             here = Position(epoch + 1, 0, step) if epoch_done else Position(epoch, micro, step)
             if epoch_done or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) \
                     or step == total_steps:
-                save(here)
+                with throughput.paused():
+                    save(here)
             if stopping:
                 status = "stopped"
                 break
