@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config
-from trainer.doctor import (Check, check_same_versions, format_table, main, run_checks,
-                            version_fingerprint)
+from helpers import write_cifar10, write_image_folder, write_mnist
+from trainer.config import MODELS, load_config
+from trainer.doctor import (PREFETCH_FACTOR, Check, check_same_versions, data_shape, dataloader_workers,
+                            format_table, main, parameter_count, run_checks, version_fingerprint)
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
                "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-# Docker's default 64 MiB /dev/shm would (rightly) fail the shm check with two workers; setting
-# no workers keeps the "everything passes" cases independent of where the tests run.
-NO_WORKERS = {"TRAIN_NUM_WORKERS": "0"}
+DOCKER_DEFAULT_SHM = "64m"
 
 
 @pytest.fixture(autouse=True)
@@ -44,28 +43,33 @@ def free_port() -> int:
 
 
 def test_defaults_pass():
-    checks = run_checks(NO_WORKERS)
+    """Wherever the tests run: the default synthetic data starts no DataLoader worker, so even Docker's
+    64 MiB /dev/shm is no failure (at most a warning about the gradient all-reduce)."""
+    checks = run_checks({})
     assert failures(checks) == []
     assert all(c.status in ("pass", "warn", "fail") and isinstance(c.value, str) for c in checks)
     assert all(c.fix for c in checks if c.status != "pass")
     assert row(checks, "versions").status == "pass"
 
 
-def test_defaults_only_shm_may_fail():
-    checks = run_checks({})
-    assert [c.name for c in failures(checks)] in ([], ["shared memory"])
-    if failures(checks):
-        assert "shm_size" in row(checks, "shared memory").fix
-
-
 def test_huge_prefetch_fails_shm():
-    checks = run_checks({"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000"})
+    checks = run_checks({"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000", "TRAIN_LOADER": "dataloader"})
     shm = row(checks, "shared memory")
     assert shm.status == "fail" and "ipc: host" in shm.fix
+    assert "DataLoader 64 workers x 2 procs" in shm.value
+
+
+def test_workers_count_only_where_they_start():
+    """In-memory datasets on the auto (or memory) input path start no DataLoader worker."""
+    for loader in ("auto", "memory"):
+        env = {"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000", "TRAIN_LOADER": loader,
+               "TRAIN_SHM_ALLREDUCE": "false"}
+        shm = row(run_checks(env), "shared memory")
+        assert shm.status != "fail" and "no DataLoader workers" in shm.value, (loader, shm)
 
 
 def test_missing_nccl_interface_fails():
-    checks = run_checks({**NO_WORKERS, "NCCL_SOCKET_IFNAME": "doesnotexist0"})
+    checks = run_checks({"NCCL_SOCKET_IFNAME": "doesnotexist0"})
     nccl = row(checks, "NCCL_SOCKET_IFNAME")
     assert nccl.status == "fail"
     assert "doesnotexist0" in nccl.value
@@ -73,41 +77,41 @@ def test_missing_nccl_interface_fails():
 
 
 def test_nccl_exclusion_list_is_not_an_existence_check():
-    checks = run_checks({**NO_WORKERS, "NCCL_SOCKET_IFNAME": "^doesnotexist0,docker"})
+    checks = run_checks({"NCCL_SOCKET_IFNAME": "^doesnotexist0,docker"})
     assert row(checks, "NCCL_SOCKET_IFNAME").status == "pass"
 
 
 @pytest.mark.skipif("lo" not in [n for _, n in socket.if_nameindex()], reason="no lo interface")
 def test_loopback_interface_fails_multi_node():
-    env = {**NO_WORKERS, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
     assert row(run_checks(env), "GLOO_SOCKET_IFNAME").status == "fail"
     # On a single node loopback is fine.
-    single = {**NO_WORKERS, "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"}
+    single = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"}
     assert failures(run_checks(single)) == []
 
 
 def test_multi_node_without_interface_warns():
-    checks = run_checks({**NO_WORKERS, "NNODES": "2", "MASTER_ADDR": "127.0.0.1"})
+    checks = run_checks({"NNODES": "2", "MASTER_ADDR": "127.0.0.1"})
     assert row(checks, "socket interface").status == "warn"
 
 
 def test_multi_node_without_master_addr_fails():
-    master = row(run_checks({**NO_WORKERS, "NNODES": "2"}), "MASTER_ADDR")
-    assert master.status == "fail" and "MASTER_ADDR" in master.fix
+    topology = row(run_checks({"NNODES": "2"}), "topology")
+    assert topology.status == "fail" and topology.value.startswith("MASTER_ADDR: ")
 
 
 def test_unresolvable_master_addr_fails():
-    env = {**NO_WORKERS, "NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"}
+    env = {"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"}
     assert row(run_checks(env), "MASTER_ADDR").status == "fail"
 
 
 def test_loopback_master_on_node0_warns():
-    env = {**NO_WORKERS, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     assert row(run_checks(env), "MASTER_ADDR").status == "warn"
 
 
 def test_unreachable_master_port_warns():
-    env = {**NO_WORKERS, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     port = row(run_checks(env), "MASTER_PORT")
     assert port.status == "warn" and "start node 0 first" in port.fix
@@ -117,7 +121,7 @@ def test_listening_master_port_passes():
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        env = {**NO_WORKERS, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+        env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(server.getsockname()[1])}
         checks = run_checks(env)
     assert row(checks, "MASTER_PORT").status == "pass"
@@ -125,7 +129,7 @@ def test_listening_master_port_passes():
 
 
 def test_bad_topology_fails():
-    env = {**NO_WORKERS, "NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"}
+    env = {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"}
     checks = run_checks(env)
     assert row(checks, "topology").status == "fail"
     assert "NODE_RANK" in row(run_checks({"NODE_RANK": "one"}), "topology").value
@@ -135,7 +139,7 @@ def test_unwritable_checkpoint_dir_fails(tmp_path):
     blocker = tmp_path / "x" / "file"
     blocker.parent.mkdir()
     blocker.write_text("not a directory")
-    env = {**NO_WORKERS, "TRAIN_CHECKPOINT_DIR": str(blocker / "sub")}
+    env = {"TRAIN_CHECKPOINT_DIR": str(blocker / "sub")}
     ckpt = row(run_checks(env), "checkpoint dir")
     assert ckpt.status == "fail" and "TRAIN_CHECKPOINT_DIR" in ckpt.fix
 
@@ -145,7 +149,7 @@ def test_directories_and_workers_come_from_the_training_options(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     training = load_config(["--checkpoint-dir", str(blocker / "sub"), "--num-workers", "64",
-                            "--batch-size", "100000"], {}, world_size=1)
+                            "--batch-size", "100000", "--loader", "dataloader"], {}, world_size=1)
     checks = run_checks({}, training)
     assert row(checks, "checkpoint dir").status == "fail" and str(blocker) in row(checks, "checkpoint dir").value
     assert row(checks, "shared memory").status == "fail"
@@ -162,7 +166,7 @@ def test_cli_reads_training_flags(tmp_path):
 
 def test_missing_dir_is_probed_not_created(tmp_path):
     target = tmp_path / "new" / "logs"
-    checks = run_checks({**NO_WORKERS, "TRAIN_LOG_DIR": str(target)})
+    checks = run_checks({"TRAIN_LOG_DIR": str(target)})
     assert row(checks, "log dir").status in ("pass", "warn")
     assert not (tmp_path / "new").exists()
     assert list(tmp_path.iterdir()) == []  # the probe file was removed too
@@ -190,7 +194,6 @@ def test_format_table_has_header_and_aligned_columns():
 def test_main_json(monkeypatch, capsys):
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TRAIN_NUM_WORKERS", "0")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "doesnotexist0")
     assert main(["--json"]) == 1
     out = json.loads(capsys.readouterr().out)
@@ -198,13 +201,18 @@ def test_main_json(monkeypatch, capsys):
     assert {"name", "status", "value", "fix"} <= set(out["checks"][0])
 
 
-def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), **extra: str) -> subprocess.CompletedProcess:
+def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), module: str = "trainer.doctor",
+         prefix: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` (trainer-doctor by default), under a command prefix if given."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCH_VARS and not k.startswith("TRAIN_")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-               **NO_WORKERS, **extra)
-    return subprocess.run([sys.executable, "-m", "trainer.doctor", *args], cwd=tmp_path, env=env,
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), **extra)
+    return subprocess.run([*prefix, sys.executable, "-m", module, *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def json_rows(result: subprocess.CompletedProcess) -> list[Check]:
+    return [Check(**c) for c in json.loads(result.stdout)["checks"]]
 
 
 def test_cli_exit_codes(tmp_path):
@@ -215,3 +223,97 @@ def test_cli_exit_codes(tmp_path):
     bad = _cli(tmp_path, NCCL_SOCKET_IFNAME="doesnotexist0")
     assert bad.returncode == 1
     assert "FAIL" in bad.stdout and "doesnotexist0" in bad.stdout
+
+
+def test_cli_reports_the_launchers_topology_error(tmp_path):
+    """One parser: what trainer-launch refuses, trainer-doctor fails with the same words."""
+    doctor = _cli(tmp_path, ["--json"], MASTER_PORT="70000")
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    topology = row(json_rows(doctor), "topology")
+    launcher = _cli(tmp_path, module="trainer.launch", MASTER_PORT="70000")
+    assert launcher.returncode == 2
+    assert topology.status == "fail"
+    assert launcher.stderr.strip() == f"error: {topology.value} ({topology.fix})"
+    assert topology.value == "MASTER_PORT: 70000 is out of range"
+
+
+def test_cli_unknown_option_names_trainer_doctor(tmp_path):
+    result = _cli(tmp_path, ["--jsn"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: arguments: unrecognized arguments: --jsn (see `trainer-doctor --help`)"]
+    usage = _cli(tmp_path, ["--help"])
+    assert usage.returncode == 0 and "--json" in usage.stdout and "--num-workers" in usage.stdout
+
+
+# A mount namespace with its own /dev/shm of Docker's default size: what `docker run` gives.
+SMALL_SHM = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+             f'mount -t tmpfs -o size={DOCKER_DEFAULT_SHM} tmpfs /dev/shm && exec "$@"', "sh")
+
+
+@pytest.fixture(scope="module")
+def small_shm() -> tuple[str, ...]:
+    try:
+        probe = subprocess.run([*SMALL_SHM, "true"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no unshare command")
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm (needs root): {probe.stderr.strip()}")
+    return SMALL_SHM
+
+
+SHM_CASES = {  # the doctor's verdict in Docker's default 64 MiB /dev/shm (2 CPU processes, 2 workers each)
+    "synthetic: no workers start": (["--model", "cnn"], "pass", "all-reduce"),
+    "all-reduce larger than /dev/shm: gloo's TCP instead": (["--model", "resnet18"], "warn", "all-reduce"),
+    "all-reduce off": (["--model", "resnet18", "--shm-allreduce", "false"], "pass", "no DataLoader workers"),
+    "ImageNet-sized DataLoader batches": (["--model", "cnn", "--loader", "dataloader",
+                                           "--synthetic-image-size", "224"], "fail", "DataLoader 2 workers"),
+}
+
+
+@pytest.mark.parametrize("args, status, shown", SHM_CASES.values(), ids=SHM_CASES.keys())
+def test_shm_verdict_in_dockers_default_shm(tmp_path, small_shm, args, status, shown):
+    result = _cli(tmp_path, ["--json", *args], prefix=small_shm)
+    assert result.returncode == (1 if status == "fail" else 0), result.stdout + result.stderr
+    shm = row(json_rows(result), "shared memory")
+    assert shm.status == status and shown in shm.value and "/dev/shm 64 MiB" in shm.value, shm
+
+
+DATASET_FILES = {"synthetic": None, "cifar10": write_cifar10, "mnist": write_mnist,
+                 "imagefolder": write_image_folder}
+
+
+@pytest.mark.parametrize("dataset", DATASET_FILES)
+def test_shm_facts_are_those_of_the_data_and_models_the_trainer_builds(tmp_path, dataset):
+    """The doctor reads image shapes, workers and gradient sizes off the options (without torch):
+    they must be what trainer/data.py and trainer/models.py build."""
+    import torch
+
+    from trainer.data import Batches, InMemoryImages, build_datasets
+    from trainer.distributed import DistContext, Topology
+    from trainer.models import build_model
+
+    if DATASET_FILES[dataset]:
+        DATASET_FILES[dataset](tmp_path / "data")
+    ctx = DistContext(Topology(0, 0, 1, 1, "127.0.0.1", 29500, "single"), "none", torch.device("cpu"))
+    options = ["--dataset", dataset, "--data-dir", str(tmp_path / "data"), "--synthetic-size", "8",
+               "--synthetic-image-size", "40", "--batch-size", "2", "--num-workers", "1"]
+    training = load_config(options, {}, world_size=1)
+    train, _, spec = build_datasets(training, ctx)
+    channels, side, classes = data_shape(training)
+    in_memory = isinstance(train, InMemoryImages)
+    image = train.images[0] if in_memory else train[(0, 0)][0]
+    assert (image.dtype, tuple(image.shape), spec.num_classes) == (torch.uint8, (channels, side, side), classes)
+
+    for loader in ["auto", "dataloader"] + ["memory"] * in_memory:  # memory for files on disk: an error
+        cfg = load_config([*options, "--loader", loader], {}, world_size=1)
+        batches = Batches(train, spec, cfg, ctx, train=True)
+        started = 0 if batches.memory is not None else batches.loader.num_workers
+        assert dataloader_workers(cfg) == started, loader
+        assert batches.memory is not None or batches.loader.prefetch_factor == PREFETCH_FACTOR
+
+    for model in MODELS:
+        with torch.device("meta"):
+            built = build_model(model, spec)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in built.parameters() if p.requires_grad)
+        assert 4 * parameter_count(model, channels, side, classes) == gradient_bytes, model

@@ -13,7 +13,7 @@ from helpers import (BAD_INPUT_TIMEOUT_S, RUN_TIMEOUT_S, assert_usage_error, che
                      dirs_args, files_under, free_port, read_summary)
 from trainer.distributed import first_slurm_host
 from trainer.errors import UsageError
-from trainer.launch import build_command, torchrun_command, plan_from_env
+from trainer.launch import build_command, plan_from_env, preflight_enabled, torchrun_command
 
 
 @pytest.fixture(autouse=True)
@@ -77,15 +77,43 @@ BAD_ENVIRONMENTS = {
     "zero processes": ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE"),
     "port out of range": ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
     "bad training option": ({"TRAIN_LR": "x"}, "TRAIN_LR"),
+    "preflight typo": ({"PREFLIGHT": "flase"}, "PREFLIGHT: 'flase' is not a boolean"),
 }
 
 
 @pytest.mark.parametrize("env, setting", BAD_ENVIRONMENTS.values(), ids=BAD_ENVIRONMENTS.keys())
 def test_launcher_bad_environment_is_one_line_exit_2(tmp_path, env, setting):
+    # A free port: a rendezvous port in use elsewhere on this machine is another (one-line) error.
+    env = {"MASTER_PORT": str(free_port()), **env}
     result = subprocess.run([sys.executable, "-m", "trainer.launch", *dirs_args(tmp_path)], cwd=tmp_path,
                             env=clean_env(env), capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert_usage_error(result, setting)
     assert files_under(tmp_path) == set()
+
+
+def test_nccl_flag_without_a_gpu_is_the_workers_one_line(tmp_path):
+    """Caught before torchrun starts (clean_env hides every GPU), in the words the worker uses."""
+    env = clean_env({"MASTER_PORT": str(free_port())})
+    run = [sys.executable, "-m", "trainer.launch", "--backend", "nccl", *dirs_args(tmp_path)]
+    result = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
+    assert assert_usage_error(result, "--backend") == (
+        "error: --backend: nccl needs a CUDA GPU and none is visible "
+        "(use --backend gloo (or auto) on CPU hosts, or give the container GPUs)")
+    assert "torchrun" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("word, enabled", [("", True), ("1", True), ("Yes", True), (" on ", True),
+                                           ("0", False), ("false", False), ("NO", False), ("off", False)])
+def test_preflight_words(word, enabled):
+    assert preflight_enabled({"PREFLIGHT": word}) is enabled
+
+
+def test_preflight_runs_the_doctor(tmp_path):
+    env = clean_env({"PREFLIGHT": "yes", "GLOO_SOCKET_IFNAME": "nosuch0", "MASTER_PORT": str(free_port())})
+    result = subprocess.run([sys.executable, "-m", "trainer.launch", *dirs_args(tmp_path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith("error: preflight: GLOO_SOCKET_IFNAME: "), result.stderr
 
 
 @pytest.mark.slow
@@ -93,8 +121,7 @@ def test_trainer_launch_trains_with_two_processes(tmp_path):
     launcher = shutil.which("trainer-launch")
     if launcher is None:
         pytest.skip("trainer-launch is not installed (pip install -e .)")
-    # TRAIN_NUM_WORKERS also tells the preflight's shared-memory check that no DataLoader workers run.
-    env = clean_env({"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "TRAIN_NUM_WORKERS": "0"})
+    env = clean_env({"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
     args = ["--model", "cnn", "--synthetic-size", "128", "--batch-size", "8", "--max-steps", "3",
             "--checkpoint-every", "0", *dirs_args(tmp_path)]
     result = subprocess.run([launcher, *args], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -265,6 +265,9 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
         raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
                          "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
                          "which a run restarted after a failure needs")
+    if cfg.loader == "memory" and cfg.dataset == "imagefolder":
+        raise UsageError(setting("loader"), "imagefolder is read from disk, not held in memory",
+                         "use --loader dataloader or auto")
     if cfg.model == "autoencoder" and cfg.channels_last:
         raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
                          "drop --channels-last for --model autoencoder")

@@ -223,10 +223,7 @@ class Batches:
         self.batch_size, self.seed = cfg.batch_size, cfg.seed
         self.device = ctx.device
         in_memory = isinstance(data, InMemoryImages)
-        use_memory = cfg.loader == "memory" or (cfg.loader == "auto" and in_memory)
-        if use_memory and not in_memory:
-            raise UsageError("--loader", f"{cfg.dataset} is read from disk, not held in memory",
-                             "use --loader dataloader or auto")
+        use_memory = in_memory and cfg.loader != "dataloader"  # config refuses memory for on-disk data
         self.size = len(data)
         self.memory = data if use_memory else None
         if self.memory is not None:

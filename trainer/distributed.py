@@ -111,14 +111,19 @@ class DistContext:
         return self.backend != "none"
 
 
+def check_backend(choice: str, cuda_available: bool) -> None:
+    if choice == "nccl" and not cuda_available:
+        raise UsageError("--backend", "nccl needs a CUDA GPU and none is visible",
+                         "use --backend gloo (or auto) on CPU hosts, or give the container GPUs")
+
+
 def resolve_backend(choice: str) -> str:
     import torch
 
-    if choice == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--backend", "nccl needs a CUDA GPU and none is visible",
-                         "use --backend gloo (or auto) on CPU hosts, or give the container GPUs")
+    cuda_available = torch.cuda.is_available()
+    check_backend(choice, cuda_available)
     if choice == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if cuda_available else "gloo"
     return choice
 
 

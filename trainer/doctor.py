@@ -1,13 +1,12 @@
 """Preflight checks for distributed training in containers (`trainer-doctor`).
 
 Reads the launcher's environment (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_*, *_SOCKET_IFNAME)
-and the training options the way the trainer does (flags, TRAIN_* variables, .env), and reports
-problems that otherwise show up as bus errors or silent hangs.
+with the launcher's own parser and the training options the way the trainer does (flags, TRAIN_*
+variables, .env), and reports problems that otherwise show up as bus errors or silent hangs.
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import ipaddress
 import json
 import os
@@ -18,12 +17,15 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
-from trainer.config import TrainConfig, load_config
-from trainer.errors import exit_on_usage_error
+from trainer.config import TrainConfig, build_parser, load_config
+from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
+from trainer.launch import LaunchPlan, plan_from_env, visible_gpu_count
 
 MIB, GIB = 1 << 20, 1 << 30
+SHM_DIR = "/dev/shm"
 SHM_FIX = "run with ipc: host or shm_size: 8gb (compose), --shm-size / --ipc=host (docker run)"
 IFACE_FIX = "other nodes cannot reach it: name the host's routable interface (network_mode: host)"
 
@@ -41,7 +43,7 @@ def _check(name: str, status: str, value: str, fix: str = "") -> Check:
 
 
 def _size(n: float) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.{0 if n >= 10 * MIB else 1}f} MiB"
 
 
 def _is_loopback(addr: str) -> bool:
@@ -51,38 +53,74 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _settings(env: Mapping[str, str], gpus: int, training: TrainConfig) -> tuple[dict, list[str]]:
-    problems: list[str] = []
-
-    def num(key: str, default: int) -> int:
-        raw = env.get(key, "").strip()
-        if raw and not raw.isdigit():
-            problems.append(f"{key}={raw!r} is not a non-negative integer")
-        return int(raw) if raw.isdigit() else default
-
-    s = {"nnodes": num("NNODES", 1), "node_rank": num("NODE_RANK", 0),
-         "nproc": num("NPROC_PER_NODE", gpus or 2), "port": num("MASTER_PORT", 29500),
-         "workers": training.num_workers, "batch": training.batch_size}
-    if s["nnodes"] < 1 or s["nproc"] < 1:
-        problems.append("NNODES and NPROC_PER_NODE must be >= 1")
-    if s["node_rank"] >= s["nnodes"]:
-        problems.append(f"NODE_RANK={s['node_rank']} must be < NNODES={s['nnodes']}")
-    return s, problems
+# What the shared-memory need depends on, read off the training options: trainer/data.py and
+# trainer/models.py import torch (seconds), which the doctor avoids on hosts without GPUs.
+# tests/test_doctor.py pins these against the datasets and models those modules build.
+IN_MEMORY_DATASETS = ("synthetic", "cifar10", "mnist")  # one tensor per process: no DataLoader workers
+PREFETCH_FACTOR = 4  # batches in flight per DataLoader worker (data.Batches)
+# torchvision's ResNets: (parameters besides the stem convolution and the classifier, classifier inputs)
+RESNET_BODIES = {"resnet18": (11_167_104, 512), "resnet50": (23_498_624, 2048)}
 
 
-def check_shm(s: dict) -> Check:
-    # DataLoader workers hand batches over through /dev/shm; Docker's 64 MiB default kills them
-    # with "bus error". Rough need: ImageNet-sized float32 batches, prefetch_factor 2.
-    need = s["workers"] * s["batch"] * 3 * 224 * 224 * 4 * 2 * s["nproc"]
+def data_shape(training: TrainConfig) -> tuple[int, int, int]:
+    """(channels, image side, classes) of the uint8 training images."""
+    if training.dataset == "imagefolder":  # ImageFolder's classes are the folders in train/; crops are 224 wide
+        with os.scandir(Path(training.data_dir) / "train") as entries:
+            return 3, 224, sum(entry.is_dir() for entry in entries)
+    return {"synthetic": (3, training.synthetic_image_size, 10), "cifar10": (3, 32, 10),
+            "mnist": (1, 28, 10)}[training.dataset]
+
+
+def dataloader_workers(training: TrainConfig) -> int:
+    """Worker processes per training process: only the dataloader input path starts any."""
+    dataloader = training.loader == "dataloader" or (
+        training.loader == "auto" and training.dataset not in IN_MEMORY_DATASETS)
+    return training.num_workers if dataloader else 0
+
+
+def parameter_count(model: str, channels: int, side: int, classes: int) -> int:
+    """Parameters of trainer.models.build_model for this data."""
+    if model == "cnn":  # three 3x3 convolutions with biases, then the classifier
+        widths = (channels, 32, 64, 128)
+        return sum(9 * a * b + b for a, b in zip(widths, widths[1:])) + (widths[-1] + 1) * classes
+    if model == "autoencoder":  # features -> 256 -> 32 -> 256 -> features, all linear with biases
+        features = channels * side * side
+        return (256 + 1) * features + 256 + (256 + 1) * 32 + (32 + 1) * 256 + 256 * features
+    body, width = RESNET_BODIES[model.removeprefix("cifar_")]
+    stem_kernel = 3 if model.startswith("cifar_") else 7
+    return body + 64 * channels * stem_kernel ** 2 + (width + 1) * classes
+
+
+def shm_uses(training: TrainConfig, plan: LaunchPlan, gpus: int) -> tuple[int, int, list[str]]:
+    """Bytes of /dev/shm the DataLoader workers and the gradient all-reduce need, and what they are."""
+    channels, side, classes = data_shape(training)
+    procs, uses = plan.nproc_per_node, []
+    workers = dataloader_workers(training)
+    loader = workers * training.batch_size * channels * side * side * PREFETCH_FACTOR * procs
+    if workers:
+        uses.append(f"DataLoader {workers} workers x {procs} procs, {_size(loader)}")
+    allreduce = 0
+    if training.shm_allreduce and gpus == 0 and training.backend != "nccl" and plan.nnodes == 1:
+        gradients = 4 * parameter_count(training.model, channels, side, classes)  # float32
+        allreduce = 2 * procs * gradients  # every process's buckets, twice while DDP rebuilds them
+        uses.append(f"all-reduce 2 x {procs} procs x {_size(gradients)} of gradients, {_size(allreduce)}")
+    return loader, allreduce, uses
+
+
+def check_shm(training: TrainConfig, plan: LaunchPlan, gpus: int) -> Check:
+    # DataLoader workers hand batches over through /dev/shm: Docker's 64 MiB default kills them with
+    # "bus error". CPU processes all on one host all-reduce gradients there (trainer/shm_allreduce.py);
+    # without the room they fall back to gloo's slower TCP, so that shortfall only warns.
+    loader, allreduce, uses = shm_uses(training, plan, gpus)
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(SHM_DIR)
     except OSError:
-        return Check("shared memory", "warn", "/dev/shm not found", SHM_FIX)
-    size = st.f_frsize * st.f_blocks
-    low = size < 2 * need or (s["workers"] > 0 and size < GIB)
-    return _check("shared memory", "fail" if size < need else "warn" if low else "pass",
-                  f"/dev/shm {_size(size)}, need ~{_size(need)} "
-                  f"({s['workers']} workers x {s['nproc']} procs)", SHM_FIX)
+        return Check("shared memory", "warn", f"{SHM_DIR} not found", SHM_FIX)
+    size, free, need = st.f_frsize * st.f_blocks, st.f_frsize * st.f_bavail, loader + allreduce
+    low = free < need or size < 2 * need or (loader > 0 and size < GIB)
+    return _check("shared memory", "fail" if free < loader else "warn" if low else "pass",
+                  f"{SHM_DIR} {_size(size)} ({_size(free)} free), need ~{_size(need)}: "
+                  + ("; ".join(uses) or "no DataLoader workers, no shared-memory all-reduce"), SHM_FIX)
 
 
 def check_ulimits() -> list[Check]:
@@ -100,29 +138,9 @@ def check_ulimits() -> list[Check]:
                shown[stack], "ulimits: stack: 67108864 / --ulimit stack=67108864")]
 
 
-def nvidia_devices_present() -> bool:
-    """Without NVIDIA device nodes torch can see no GPU: then skip its multi-second import."""
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def visible_gpu_count() -> int:
-    if not nvidia_devices_present():
-        return 0
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # a broken driver should read as "no GPU", not crash the doctor
-        return 0
-
-
 def check_gpus(gpus: int, nproc: int) -> Check:
-    if gpus == 0:
-        return Check("GPUs", "pass", "no GPU: gloo on CPU")
-    return _check("GPUs", "fail" if nproc > gpus else "pass",
-                  f"{gpus} visible, NPROC_PER_NODE={nproc}",
-                  f"set NPROC_PER_NODE<={gpus} or expose more GPUs (gpus: all / --gpus all; "
-                  "check CUDA_VISIBLE_DEVICES)")
+    # More processes than GPUs is a topology failure: the launcher's parser refuses it.
+    return Check("GPUs", "pass", f"{gpus} visible, NPROC_PER_NODE={nproc}" if gpus else "no GPU: gloo on CPU")
 
 
 def _iface_addrs() -> dict[str, list[str]] | None:
@@ -199,22 +217,18 @@ def check_interfaces(env: Mapping[str, str], nnodes: int) -> list[Check]:
                   "otherwise NCCL/gloo may pick docker0 or lo")]
 
 
-def check_master(env: Mapping[str, str], s: dict) -> list[Check]:
-    addr, port, multi = env.get("MASTER_ADDR", "").strip(), s["port"], s["nnodes"] > 1
-    if not addr and multi:
-        return [Check("MASTER_ADDR", "fail", "unset with NNODES>1",
-                      "set MASTER_ADDR to node 0's IP or hostname on every node")]
-    addr = addr or "127.0.0.1"
+def check_master(plan: LaunchPlan) -> list[Check]:
+    addr, port = plan.master_addr, plan.master_port
     try:
         ips = sorted({i[4][0] for i in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)})
     except (OSError, UnicodeError) as e:
         return [Check("MASTER_ADDR", "fail", f"{addr} does not resolve ({e})",
                       "use node 0's IP, or a hostname every node resolves "
                       "(extra_hosts (compose) / --add-host (docker run))")]
-    loop = multi and s["node_rank"] == 0 and all(_is_loopback(ip) for ip in ips)
+    loop = plan.nnodes > 1 and plan.node_rank == 0 and all(_is_loopback(ip) for ip in ips)
     rows = [_check("MASTER_ADDR", "warn" if loop else "pass", f"{addr} -> {', '.join(ips)}",
                    "loopback: other hosts cannot reach it; use this host's routable IP/hostname")]
-    if s["node_rank"] == 0:  # node 0 hosts the rendezvous store; everyone else must reach it
+    if plan.node_rank == 0:  # node 0 hosts the rendezvous store; everyone else must reach it
         return rows
     try:
         socket.create_connection((addr, port), timeout=2).close()
@@ -290,20 +304,23 @@ def run_checks(env: Mapping[str, str], training: TrainConfig | None = None) -> l
     """`training`: the options the run will use (the launcher's, validated); default: the environment's."""
     training = training or load_config([], env, world_size=1)
     gpus = visible_gpu_count()
-    s, problems = _settings(env, gpus, training)
-    topo = (f"NNODES={s['nnodes']} NODE_RANK={s['node_rank']} NPROC_PER_NODE={s['nproc']} "
-            f"(world size {s['nnodes'] * s['nproc']})")
     fp = version_fingerprint() if gpus else _cpu_versions()
-    return [
-        _check("topology", "fail" if problems else "pass", "; ".join(problems) or topo,
-               "fix those environment variables"),
-        check_shm(s), *check_ulimits(), check_gpus(gpus, s["nproc"]),
-        *check_interfaces(env, s["nnodes"]), *check_master(env, s),
+    host = [
+        *check_ulimits(),
         check_dir("checkpoint dir", "--checkpoint-dir (TRAIN_CHECKPOINT_DIR)", training.checkpoint_dir),
         check_dir("log dir", "--log-dir (TRAIN_LOG_DIR)", training.log_dir),
         Check("versions", "pass", f"torch {fp['torch']}, CUDA {fp['cuda'] or 'none'}, "
               f"NCCL {fp['nccl'] or 'n/a'}, Python {fp['python']}"),
     ]
+    try:
+        plan = plan_from_env(env, lambda: gpus)
+    except UsageError as err:  # the launcher's own message; the other rows need a topology
+        setting, problem, fix = err.parts
+        return [Check("topology", "fail", f"{setting}: {problem}", fix), *host]
+    topology = Check("topology", "pass", f"NNODES={plan.nnodes} NODE_RANK={plan.node_rank} "
+                     f"NPROC_PER_NODE={plan.nproc_per_node} (world size {plan.world_size})")
+    return [topology, check_shm(training, plan, gpus), check_gpus(gpus, plan.nproc_per_node),
+            *check_interfaces(env, plan.nnodes), *check_master(plan), *host]
 
 
 def format_table(checks: list[Check]) -> str:
@@ -316,13 +333,17 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="trainer-doctor", usage="trainer-doctor [--json] [training options]",
-        description="Preflight checks for distributed training; exits 1 if any check fails. Training "
-                    "options (python -m trainer --help) are read as the trainer reads them.")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args, training_args = parser.parse_known_args(argv)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    # The whole command line, so that a mistake (or --help) names trainer-doctor and its options.
+    parser = OneLineErrorParser(
+        prog="trainer-doctor", usage="trainer-doctor [--json] [training options]", add_help=False,
+        parents=[own, build_parser()],
+        description="Preflight checks for distributed training; exits 1 if any check fails. The training "
+                    "options are read as the trainer reads them.")
     with exit_on_usage_error():
+        parser.parse_args(argv)
+        args, training_args = own.parse_known_args(argv)
         training = load_config(training_args, os.environ, world_size=1)
     checks = run_checks(os.environ, training)
     failed = any(c.status == "fail" for c in checks)

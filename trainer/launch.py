@@ -13,6 +13,7 @@ A container given RANK and WORLD_SIZE but no NNODES (one process per container) 
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import socket
@@ -20,9 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from trainer.config import TrainConfig, load_config
-from trainer.distributed import DEFAULT_MASTER_PORT, detect_topology
-from trainer.doctor import visible_gpu_count
+from trainer.config import FALSE_WORDS, TRUE_WORDS, TrainConfig, load_config
+from trainer.distributed import DEFAULT_MASTER_PORT, check_backend, detect_topology
 from trainer.errors import UsageError, env_int, exit_on_usage_error, print_error
 
 DEFAULT_RDZV_TIMEOUT = 900
@@ -41,6 +41,22 @@ class LaunchPlan:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+
+def nvidia_devices_present() -> bool:
+    """Without NVIDIA device nodes torch can see no GPU: then skip its multi-second import."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def visible_gpu_count() -> int:
+    if not nvidia_devices_present():
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver should read as "no GPU", not crash the launcher or the doctor
+        return 0
 
 
 def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> LaunchPlan:
@@ -87,14 +103,27 @@ def single_worker_command(trainer_args: Sequence[str]) -> list[str]:
 
 
 def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
-                  gpu_count: Callable[[], int] = visible_gpu_count) -> tuple[list[str], TrainConfig]:
-    """The command to exec and the training options it runs with, validated on the way."""
+                  gpu_count: Callable[[], int] = visible_gpu_count) -> tuple[list[str], TrainConfig, LaunchPlan | None]:
+    """The command to exec, the training options it runs with and its topology (None when this process is
+    the one worker), validated on the way."""
     if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
         cfg = load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
-        return single_worker_command(trainer_args), cfg
-    load_config(trainer_args, env, world_size=1)  # all but the world-size checks, before counting GPUs loads torch
+        return single_worker_command(trainer_args), cfg, None
+    # All but the world-size checks, before counting GPUs (which may import torch).
+    options = load_config(trainer_args, env, world_size=1)
     plan = plan_from_env(env, gpu_count)
-    return torchrun_command(plan, trainer_args), load_config(trainer_args, env, world_size=plan.world_size)
+    # The worker's own check, before torchrun starts ranks that would each fail with it.
+    check_backend(options.backend, gpu_count() > 0)
+    return torchrun_command(plan, trainer_args), load_config(trainer_args, env, world_size=plan.world_size), plan
+
+
+def preflight_enabled(env: Mapping[str, str]) -> bool:
+    raw = env.get("PREFLIGHT", "").strip()
+    if raw.lower() in ("", *TRUE_WORDS):  # unset or empty: the default, on
+        return True
+    if raw.lower() in FALSE_WORDS:
+        return False
+    raise UsageError("PREFLIGHT", f"'{raw}' is not a boolean", "use 1 to run trainer-doctor first or 0 to skip it")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,10 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nTraining options (python -m trainer --help):")
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     with exit_on_usage_error():
-        command, cfg = build_command(os.environ, args)
-        if command[0] == "torchrun":
-            ensure_master_port_free(os.environ)
-    if os.environ.get("PREFLIGHT", "1").strip().lower() not in ("0", "false", "no", "off"):
+        command, cfg, plan = build_command(os.environ, args)
+        preflight = preflight_enabled(os.environ)
+        if plan is not None:
+            ensure_master_port_free(plan)
+    if preflight:
         run_preflight(cfg)
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
     if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
@@ -116,18 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0  # not reached
 
 
-def ensure_master_port_free(env: Mapping[str, str]) -> None:
+def ensure_master_port_free(plan: LaunchPlan) -> None:
     """Node 0's torchrun hosts the rendezvous store on MASTER_PORT. A taken port would otherwise show
     only after the rendezvous timeout, as a C++ error about the store."""
-    if env_int(env, "NODE_RANK", 0, 0) != 0:
+    if plan.node_rank != 0:
         return
-    port = env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is no conflict
         try:
-            sock.bind(("", port))
+            sock.bind(("", plan.master_port))
         except OSError as err:
-            raise UsageError("MASTER_PORT", f"{port} cannot be used on this host ({err.strerror})",
+            raise UsageError("MASTER_PORT", f"{plan.master_port} cannot be used on this host ({err.strerror})",
                              "stop what listens there (another NODE_RANK=0 launcher?) or choose a free "
                              "MASTER_PORT, the same on every host") from None
 
