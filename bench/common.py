@@ -15,21 +15,26 @@ import torch
 from torch.utils.data import TensorDataset
 
 from trainer.data import make_synthetic, synthetic_spec
+from trainer.errors import OneLineErrorParser, exit_on_usage_error
 from trainer.models import build_model as _build_model
+from trainer.scale import STEPS_HELP, check_timed_steps
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
-WARMUP_STEPS = WARMUP_STEPS_EXCLUDED  # every stack skips the same number of first steps
+UNTIMED_STEPS = WARMUP_STEPS_EXCLUDED  # every stack leaves the trainer's number of first steps out of the timing
 
 
 def parse_args(description: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineErrorParser(description=description)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps, warm-up included")
+    parser.add_argument("--steps", type=int, default=40, help=STEPS_HELP)
     parser.add_argument("--image-size", type=int, default=32, help="synthetic image side in pixels")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
-    return parser.parse_args()
+    with exit_on_usage_error():
+        args = parser.parse_args()
+        check_timed_steps(args.steps)  # StepTimer needs a step after the untimed ones
+    return args
 
 
 def world_size() -> int:
@@ -50,7 +55,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 class StepTimer:
-    """Steady-state samples/s over all processes: the clock starts when warm-up step WARMUP_STEPS ends."""
+    """Steady-state samples/s over all processes: the clock starts when step UNTIMED_STEPS ends."""
 
     def __init__(self, batch_size: int, total_steps: int, device: torch.device):
         self.samples_per_step = batch_size * world_size()
@@ -60,16 +65,16 @@ class StepTimer:
 
     def step(self) -> None:
         self.steps += 1
-        if self.steps not in (WARMUP_STEPS, self.total_steps):
+        if self.steps not in (UNTIMED_STEPS, self.total_steps):
             return
         if self.device.type == "cuda":  # only at the window's edges: a sync per step would slow the GPU
             torch.cuda.synchronize(self.device)
         self.end = time.perf_counter()
-        if self.steps == WARMUP_STEPS:
+        if self.steps == UNTIMED_STEPS:
             self.start = self.end
 
     def samples_per_second(self) -> float:
-        return (self.steps - WARMUP_STEPS) * self.samples_per_step / (self.end - self.start)
+        return (self.steps - UNTIMED_STEPS) * self.samples_per_step / (self.end - self.start)
 
 
 def write_result(path: str, stack: str, args: argparse.Namespace, timer: StepTimer, device: torch.device) -> None:

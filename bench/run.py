@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -23,7 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.scale import run_counting_other_work
+from trainer.config import load_config
+from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
+from trainer.launch import visible_gpu_count
+from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, prepare_out, run_counting_other_work,
+                           torchrun_command)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -38,8 +43,8 @@ CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[default_nproc()],
+    parser = OneLineErrorParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=None,
                         help="processes per run; several (1 2) also give each stack's scaling efficiency "
                              "(default: visible GPUs, or 2)")
     parser.add_argument("--stacks", nargs="+", choices=STACKS, default=DEFAULT_STACKS,
@@ -49,22 +54,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process per step")
     parser.add_argument("--image-size", type=int, default=32, help="synthetic image side (224: ImageNet-shaped)")
-    parser.add_argument("--steps", type=int, default=40, help="steps per run; the first 5 are not timed")
+    parser.add_argument("--steps", type=int, default=40, help=STEPS_HELP)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each process")
     parser.add_argument("--trainer-args", default="", help="extra trainer options, e.g. '--local-sgd-period 8'")
     parser.add_argument("--baseline-args", default="",
                         help="the baseline stack's trainer options instead, e.g. '--loader dataloader'")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
     args = parser.parse_args(argv)
+    args.nproc = args.nproc or [visible_gpu_count() or 2]  # counted only when needed: it may import torch
     if args.rounds < 3:
-        parser.error("--rounds: medians need at least 3 rounds")
+        raise UsageError("--rounds", f"{args.rounds} is too few for a median", "give 3 or more")
+    for setting, value in (("--nproc", min(args.nproc)), ("--batch-size", args.batch_size),
+                           ("--threads", args.threads)):
+        if value < 1:
+            raise UsageError(setting, f"{value} is below 1", "give 1 or more")
+    check_timed_steps(args.steps)
+    if "lightning" in args.stacks and importlib.util.find_spec("lightning") is None:
+        raise UsageError("--stacks", "lightning is not installed",
+                         "pip install -e '.[bench]', or leave lightning out of --stacks")
+    check_trainer_options(args)
     return args
 
 
-def default_nproc() -> int:
-    import torch
-
-    return torch.cuda.device_count() or 2
+def check_trainer_options(args: argparse.Namespace) -> None:
+    """Every run's trainer options, checked as the trainer will: a mistake fails here, in one line,
+    not rounds into the benchmark."""
+    with tempfile.TemporaryDirectory() as workdir:  # what each run gets: no .env in it
+        for nproc in args.nproc:
+            load_config(trainer_flags(nproc, args, workdir, ""), {}, world_size=nproc)  # the bench's own options
+            for setting, extra in (("--trainer-args", args.trainer_args), ("--baseline-args", args.baseline_args)):
+                try:
+                    load_config(trainer_flags(nproc, args, workdir, extra), {}, world_size=nproc)
+                except ValueError as err:  # shlex: an unbalanced quote
+                    raise UsageError(setting, first_line(err), "quote it as a shell would") from None
+                except UsageError as err:  # name the option that holds the mistake
+                    raise UsageError(f"{setting}: {err.parts[0]}", *err.parts[1:]) from None
 
 
 def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str, extra: str) -> list[str]:
@@ -82,8 +106,7 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
                 "--no-deps", "-e", f"NPROC_PER_NODE={nproc}", "-e", f"OMP_NUM_THREADS={args.threads}",
                 "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu",
                 *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", MODULES[stack]]
+    command = [*torchrun_command(nproc), "-m", MODULES[stack]]
     if stack == "trainer":
         return command + trainer_flags(nproc, args, str(workdir), args.trainer_args)
     if stack == "baseline":
@@ -105,7 +128,8 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
         done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
                                                timeout=1800)
         if done.returncode != 0:
-            sys.exit(f"error: {stack} failed (exit {done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
+            print(f"+ {shlex.join(command)}  # the {stack} run that failed", file=sys.stderr)
+            exit_with_failed_run(done)
         result_file = workdir / ("runs/summary.json" if stack in TRAINER_STACKS else "result.json")
         return float(json.loads(result_file.read_text())["samples_per_second"]), others
 
@@ -158,7 +182,9 @@ def describe_machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    with exit_on_usage_error():
+        args = parse_args(argv)
+        prepare_out(args.out)  # before the runs: a bad --out must not cost the benchmark
     header = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": describe_machine(),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
@@ -174,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs, args.nproc, args.stacks)
     header["other_cores_busy"] = statistics.median(r["other_cores_busy"] for r in runs)
     table = markdown(summary, header)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S")
     stem.with_suffix(".md").write_text(table)
     stem.with_suffix(".json").write_text(json.dumps({**header, "runs": runs, **summary}, indent=2) + "\n")

@@ -51,6 +51,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def as_unprivileged(command: Sequence[str]) -> list[str]:
+    """The command with file permissions in force even for root (CI runs as root, which reads and writes
+    anything): setpriv drops the two capabilities that override them."""
+    if os.geteuid() != 0:
+        return list(command)
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *command]
+
+
 def dirs_args(root: Path) -> list[str]:
     """Where a run under `root` writes: <root>/runs and <root>/checkpoints."""
     return ["--log-dir", str(root / "runs"), "--checkpoint-dir", str(root / "checkpoints")]

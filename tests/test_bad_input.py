@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from fault_helpers import tiny_run, wait_until
-from helpers import clean_env, free_port
+from helpers import as_unprivileged, clean_env, free_port
 
 # The product's goal is 5 s. Importing torch alone takes 2 s on an idle machine and up to 8 s on this
 # loaded 2-core runner, so the bound is looser: what it must catch is a hang (rendezvous waits 900 s).
@@ -65,6 +65,10 @@ def garbage_checkpoint(cwd: Path) -> None:
 
 def empty_image_folder(cwd: Path) -> None:
     (cwd / "images" / "train").mkdir(parents=True)
+
+
+def image_class_folder(cwd: Path) -> None:
+    (cwd / "images" / "train" / "cat").mkdir(parents=True)
 
 
 def blocking_file(cwd: Path) -> None:
@@ -113,6 +117,9 @@ TABLE = {
     "unknown flag": launcher("arguments", "--learning-rate", "0.1"),
     "missing resume checkpoint": launcher("--resume", "--resume", "checkpoints/step-00000099.pt"),
     "imagefolder without a data dir": launcher("--data-dir", "--dataset", "imagefolder", "--data-dir", "nowhere"),
+    "imagefolder through the memory path": BadInput(LAUNCH, "--loader", ("--dataset", "imagefolder", "--data-dir",
+                                                                        "images", "--loader", "memory"),
+                                                    env={"PREFLIGHT": "0"}, files=image_class_folder),
     # launcher: training settings from the environment and from .env
     "TRAIN_LR not a number": launcher("TRAIN_LR", TRAIN_LR="fast"),
     "TRAIN_CHANNELS_LAST not a boolean": launcher("TRAIN_CHANNELS_LAST", TRAIN_CHANNELS_LAST="maybe"),
@@ -306,3 +313,14 @@ def test_worker_whose_peer_never_comes(workdir):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: rendezvous at 127.0.0.1:{port}: "), output[-3000:]
     assert took < FAIL_FAST_BOUND_S + 3
+
+
+def test_checkpoint_the_trainer_may_not_read_is_not_taken_for_corrupt(workdir, cnn_checkpoint):
+    """A uid mismatch is not corruption: the checkpoint keeps its name, and nothing trains from scratch."""
+    checkpoint = workdir / "checkpoints" / cnn_checkpoint.name
+    checkpoint.chmod(0o000)
+    before = snapshot(workdir)
+    result, took = run_bad(as_unprivileged([*WORKER, *BASE_ARGS]), workdir, {})
+    line = assert_fails_fast_with_one_line(result, took, "--checkpoint-dir")
+    assert f"cannot read checkpoints/{checkpoint.name} (Permission denied)" in line
+    assert snapshot(workdir) == before

@@ -3,12 +3,15 @@ interleaved, with their ratio. The speed itself is not asserted; docs/benchmarks
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_bench_pair
+from helpers import assert_usage_error, clean_env, run_bench_pair
+from trainer.train import WARMUP_STEPS_EXCLUDED
 
 
 @pytest.mark.slow
@@ -20,9 +23,54 @@ def test_bench_runs_the_trainer_against_a_baseline_of_other_options(tmp_path):
     assert result["settings"]["baseline_args"] == "--loader dataloader --num-workers 0"
 
 
-def test_bench_rejects_a_baseline_option_the_trainer_does_not_know(tmp_path):
-    command = [sys.executable, "-m", "bench", "--stacks", "trainer", "baseline", "--nproc", "1", "--rounds", "3",
-               "--steps", "8", "--model", "cnn", "--baseline-args=--no-such-option", "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0
-    assert "baseline failed" in done.stderr and "--no-such-option" in done.stderr
+def bench(args: list[str], cwd: Path, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python_flags, "-m", "bench", *args], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("args, setting", [
+    (["--steps", str(WARMUP_STEPS_EXCLUDED)], "--steps"),  # nothing left to time: no samples/s to report
+    (["--steps", "x"], "--steps"),
+    (["--no-such-option"], "arguments"),
+    (["--rounds", "2"], "--rounds"),
+    (["--nproc", "0"], "--nproc"),
+    (["--baseline-args=--no-such-option"], "--baseline-args: arguments"),
+    (["--trainer-args", "--global-batch-size 3", "--nproc", "2"], "--trainer-args: --global-batch-size"),
+    (["--trainer-args", "--loader 'memory"], "--trainer-args"),
+    (["--out", "a-file"], "--out"),
+], ids=["steps all untimed", "steps not a number", "unknown option", "too few rounds", "no processes",
+        "unknown baseline option", "trainer option wrong at 2 processes", "unbalanced quote", "out is a file"])
+def test_bench_mistakes_are_one_line_errors_before_any_run(tmp_path, args, setting):
+    (tmp_path / "a-file").write_text("a file\n")
+    result = bench(["--stacks", "trainer", "baseline", "--nproc", "1", "--model", "cnn", *args], tmp_path)
+    assert_usage_error(result, setting)
+    assert not list(tmp_path.rglob("bench-*"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is not None, reason="lightning is installed")
+def test_bench_without_lightning_says_how_to_install_it(tmp_path):
+    assert "pip install" in assert_usage_error(bench(["--stacks", "lightning", "--nproc", "1"], tmp_path), "--stacks")
+
+
+def test_bench_given_nproc_does_not_import_torch_to_count_gpus(tmp_path):
+    """Counting GPUs imports torch (seconds) on a host with NVIDIA devices; --nproc makes it needless."""
+    result = bench(["--nproc", "1", "--rounds", "2"], tmp_path, python_flags=("-X", "importtime"))
+    assert result.returncode == 2 and "error: --rounds" in result.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "bench.run" in imported and "torch" not in imported
+
+
+def test_bench_failed_run_ends_with_the_workers_error_and_exit_code(tmp_path):
+    """A mistake only the worker can see: the failed command, the worker's own error, the supervisor's
+    line naming the rank, and the worker's exit code; no torchrun traceback, no result files."""
+    (tmp_path / "bad.pt").write_text("not a checkpoint\n")
+    result = bench(["--stacks", "trainer", "--nproc", "1", "--steps", str(WARMUP_STEPS_EXCLUDED + 1), "--model", "cnn",
+                    "--batch-size", "8", "--trainer-args", f"--resume {tmp_path / 'bad.pt'}", "--out", "out"], tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert any(line.endswith("# the trainer run that failed") for line in lines), result.stderr[-3000:]
+    assert any(line.startswith("error: --resume:") for line in lines), result.stderr[-3000:]
+    assert lines[-1].startswith("error: training failed: rank 0 exited with code 2"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert not list((tmp_path / "out").glob("bench-*"))

@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_usage_error, clean_env
+from helpers import as_unprivileged, assert_usage_error, clean_env
+from trainer.train import WARMUP_STEPS_EXCLUDED
 
 TINY = ["--model", "cnn", "--batch-size", "16"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def scale(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.scale", *args], cwd=cwd, env=clean_env(env),
+def scale(args: list[str], cwd: Path, env: dict | None = None, unprivileged: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "trainer.scale", *args]
+    return subprocess.run(as_unprivileged(command) if unprivileged else command, cwd=cwd, env=clean_env(env),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -80,14 +82,72 @@ def test_without_matplotlib_table_and_json_are_still_written(measured, tmp_path)
 
 
 def test_too_few_steps_is_one_line_error(tmp_path):
-    assert_usage_error(scale(["--steps", "3"], tmp_path), "--steps")
+    for steps in ("3", str(WARMUP_STEPS_EXCLUDED)):  # the trainer would time none of them
+        assert_usage_error(scale(["--steps", steps], tmp_path), "--steps")
 
 
-def test_bad_trainer_option_fails_before_any_run(tmp_path):
-    assert_usage_error(scale(["--max-procs", "2", "--", "--batch-size", "0"], tmp_path), "--batch-size")
+@pytest.mark.parametrize("args, setting, hint", [
+    (["--steps", "abc"], "--steps", "invalid int value: 'abc'"),
+    (["--maxprocs", "2"], "arguments", "see `trainer-scale --help`"),
+    (["--max-procs", "1", "--model", "cnn"], "arguments",
+     "trainer options go after `--`: trainer-scale [options] -- --model cnn"),
+], ids=["not a number", "misspelt option", "trainer option before --"])
+def test_argument_mistakes_are_one_line_errors(tmp_path, args, setting, hint):
+    assert hint in assert_usage_error(scale(args, tmp_path), setting)
+
+
+@pytest.mark.parametrize("trainer_args, setting", [
+    (["--batch-size", "0"], "--batch-size"),
+    (["--global-batch-size", "3"], "--global-batch-size"),  # wrong only at 2 processes, the second run
+])
+def test_bad_trainer_option_fails_before_any_run(tmp_path, trainer_args, setting):
+    assert_usage_error(scale(["--max-procs", "2", "--", *trainer_args], tmp_path), setting)
     assert not (tmp_path / "scaling").exists()
 
 
+def test_failed_run_ends_with_the_workers_error_and_exit_code(tmp_path):
+    """A mistake only the worker can see (a file that is no checkpoint): its own one-line error, the
+    supervisor's line naming the rank, and the worker's exit code; no torchrun traceback, no report."""
+    (tmp_path / "bad.pt").write_text("not a checkpoint\n")
+    result = scale(["--max-procs", "1", "--steps", str(WARMUP_STEPS_EXCLUDED + 1), "--repeats", "1", "--",
+                    *TINY, "--resume", "bad.pt"], tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert any(line.startswith("error: --resume: 'bad.pt'") for line in lines), result.stderr[-3000:]
+    assert lines[-1].startswith("error: training failed: rank 0 exited with code 2"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert not (tmp_path / "scaling" / "scaling.md").exists()
+
+
+def write_summary(path: Path, **fields) -> str:
+    path.write_text(json.dumps({"world_size": 1, "samples_per_second": 100.0, **fields}))
+    return path.name
+
+
 def test_summary_of_unfinished_run_is_rejected(tmp_path):
-    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 2, "samples_per_second": None}))
-    assert_usage_error(scale(["--from-summaries", "summary.json"], tmp_path), "--from-summaries")
+    name = write_summary(tmp_path / "summary.json", world_size=2, samples_per_second=None)
+    assert_usage_error(scale(["--from-summaries", name], tmp_path), "--from-summaries")
+
+
+@pytest.mark.parametrize("field", ["world_size", "samples_per_second"])
+def test_summary_with_a_zero_is_rejected_naming_file_and_field(tmp_path, field):
+    good = write_summary(tmp_path / "good.json")
+    bad = write_summary(tmp_path / "bad.json", **{field: 0})
+    line = assert_usage_error(scale(["--from-summaries", good, bad], tmp_path), "--from-summaries")
+    assert f"bad.json: {field} is 0" in line
+    assert not (tmp_path / "scaling").exists()
+
+
+def test_out_that_is_a_file_or_below_one_is_one_line_error(tmp_path):
+    summary = write_summary(tmp_path / "summary.json")
+    (tmp_path / "outf").write_text("a file\n")
+    for out in ("outf", "outf/report"):
+        assert "outf" in assert_usage_error(scale(["--from-summaries", summary, "--out", out], tmp_path), "--out")
+    assert (tmp_path / "outf").read_text() == "a file\n"
+
+
+def test_unwritable_out_is_one_line_error(tmp_path):
+    summary = write_summary(tmp_path / "summary.json")
+    (tmp_path / "locked").mkdir(mode=0o555)
+    for out in ("locked", "locked/report"):
+        assert_usage_error(scale(["--from-summaries", summary, "--out", out], tmp_path, unprivileged=True), "--out")

@@ -104,6 +104,13 @@ def _load_ours(path: Path) -> dict[str, Any]:
     return state
 
 
+def _why_not(err: Exception) -> str:
+    """Why a file is not a checkpoint, in a few words. torch's weights_only refusal begins with paragraphs
+    of advice about pickles from trusted sources; its one useful line is the unpickler's own."""
+    unpickler = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+    return f"{type(err).__name__}: {unpickler.group(1).strip()[:160] if unpickler else first_line(err)}"
+
+
 def _unreadable(path: Path, err: OSError) -> UsageError:
     # Not corruption: the file may be fine (a uid mismatch, a stale mount), so it is neither set aside nor skipped.
     return UsageError("--checkpoint-dir", f"cannot read {path} ({err.strerror or first_line(err)})",
@@ -121,8 +128,7 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
         except OSError as err:
             raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors all mean "not a checkpoint")
-            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint "
-                             f"({type(err).__name__}: {first_line(err)})",
+            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint ({_why_not(err)})",
                              "give a checkpoint written by this trainer, or --resume auto") from None
     for path in list_checkpoints(directory):
         try:
@@ -139,6 +145,6 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
                 raise UsageError("--checkpoint-dir", f"{path} does not load ({first_line(err)}) and cannot be "
                                  f"moved aside ({rename_err.strerror})",
                                  "remove it, or make the checkpoint directory writable") from None
-            log.warning("checkpoint %s does not load (%s: %s); moved to %s, trying the previous one",
-                        path, type(err).__name__, first_line(err), aside.name)
+            log.warning("checkpoint %s does not load (%s); moved to %s, trying the previous one",
+                        path, _why_not(err), aside.name)
     return None

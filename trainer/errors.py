@@ -18,6 +18,10 @@ class UsageError(Exception):
         self.parts = (setting, problem, fix)
 
 
+class EchoedUsageError(UsageError):
+    """Rank 0's UsageError, raised on the other ranks too so they all stop; rank 0 prints it, they do not."""
+
+
 def first_line(err: BaseException, limit: int = 160) -> str:
     """An exception's first line for a one-line message (some, like EOFError, carry no text at all)."""
     lines = str(err).strip().splitlines()
@@ -26,7 +30,9 @@ def first_line(err: BaseException, limit: int = 160) -> str:
 
 class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own two-line usage error breaks the one-line contract
-        raise UsageError("arguments", message, f"see `{self.prog} --help`")
+        setting, _, problem = message.partition(": ") if message.startswith("argument ") else ("", "", message)
+        raise UsageError(setting.removeprefix("argument ").split("/")[-1] or "arguments", problem,
+                         f"see `{self.prog} --help`")
 
 
 def print_error(message: str) -> None:
@@ -42,7 +48,8 @@ def exit_on_usage_error():
     try:
         yield
     except UsageError as err:
-        print_error(str(err))
+        if not isinstance(err, EchoedUsageError):
+            print_error(str(err))
         raise SystemExit(USAGE_EXIT_CODE) from None
 
 

@@ -3,14 +3,17 @@
     trainer-scale --max-procs 4 --out scaling -- --model resnet50 --amp bf16
 
 Runs the trainer under torchrun at 1, 2, ... N processes with the same per-process batch, for
---steps steps each (the first 5 are not timed), interleaving the process counts over --repeats
-rounds and taking medians. Writes <out>/scaling.md (processes, samples/s, speed-up, efficiency),
-scaling.png and scaling.json. Efficiency is speed-up / (processes / baseline processes): near 1.0
-more processes pay off; well below it (say 0.7) the run is communication-bound and more GPUs
-mostly add cost. Everything after `--` goes to the trainer.
+--steps steps each (the first few not timed: see --help), interleaving the process counts over
+--repeats rounds and taking medians. Writes <out>/scaling.md (processes, samples/s, speed-up,
+efficiency), scaling.png and scaling.json. Efficiency is speed-up / (processes / baseline
+processes): near 1.0 more processes pay off; well below it (say 0.7) the run is
+communication-bound and more GPUs mostly add cost. Everything after `--` goes to the trainer.
 
 Across nodes: run the trainer with trainer-launch at NNODES=1, 2, 4 ... (same per-process batch),
 then `trainer-scale --from-summaries run1/summary.json run2/summary.json ... --out scaling`.
+
+A failed run stops the sweep with its own exit code and error: the runs go through trainer.supervisor
+(torchrun in-process), which reports a failure as one line naming the rank.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import resource
 import shlex
@@ -28,36 +32,81 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import load_config
-from trainer.doctor import visible_gpu_count
-from trainer.errors import UsageError, exit_on_usage_error
+from trainer.config import OPTIONS, flag_name, load_config
+from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
+from trainer.launch import visible_gpu_count
 from trainer.train import WARMUP_STEPS_EXCLUDED
+
+# Shared with `python -m bench`, whose stacks leave the same first steps out of the timing.
+STEPS_HELP = f"steps per run, the first {WARMUP_STEPS_EXCLUDED} not timed"
+
+
+def check_timed_steps(steps: int) -> None:
+    """Without a timed step the trainer reports no samples/s at all."""
+    if steps <= WARMUP_STEPS_EXCLUDED:
+        raise UsageError("--steps", f"{steps} leaves no step to time: the first {WARMUP_STEPS_EXCLUDED} are not timed",
+                         f"use more than {WARMUP_STEPS_EXCLUDED}")
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """torchrun on this host, run in-process by trainer.supervisor: a failed run ends in one line naming
+    the rank and exits with the worker's code, instead of torchrun's traceback."""
+    return [sys.executable, "-m", "trainer.supervisor", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def exit_with_failed_run(done: subprocess.CompletedProcess) -> None:
+    """Relay a failed run's stderr (the worker's own error, then the supervisor's line) and exit with its code."""
+    sys.stderr.write(done.stderr)
+    raise SystemExit(done.returncode if done.returncode > 0 else 1)  # killed by a signal: still a failure
+
+
+def unrecognized(unknown: list[str]) -> UsageError:
+    """Trainer options before the `--` are the likely mistake: say where they go."""
+    trainer_flags = {flag_name(f.name) for f in OPTIONS}
+    flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    fix = (f"trainer options go after `--`: trainer-scale [options] -- {shlex.join(unknown)}"
+           if flags and all(flag in trainer_flags for flag in flags) else "see `trainer-scale --help`")
+    return UsageError("arguments", f"unrecognized arguments: {shlex.join(unknown)}", fix)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="trainer-scale", description=__doc__.split("\n\n")[0],
-                                     epilog="Details: docs/benchmarks.md")
+    parser = OneLineErrorParser(prog="trainer-scale", description=__doc__.split("\n\n")[0],
+                                epilog="Details: docs/benchmarks.md")
     parser.add_argument("--max-procs", type=int, default=None, help="largest process count (default: visible GPUs, or 2)")
-    parser.add_argument("--steps", type=int, default=40, help=f"steps per run (the first {WARMUP_STEPS_EXCLUDED} are not timed)")
+    parser.add_argument("--steps", type=int, default=40, help=STEPS_HELP)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median counts")
     parser.add_argument("--out", type=Path, default=Path("scaling"), help="output folder (default ./scaling)")
     parser.add_argument("--from-summaries", nargs="+", type=Path, metavar="SUMMARY_JSON",
                         help="build the report from finished runs' summary.json files instead of running")
-    args = parser.parse_args(own)
-    if args.steps <= WARMUP_STEPS_EXCLUDED + 1:
-        raise UsageError("--steps", f"{args.steps} leaves no timed steps", f"use more than {WARMUP_STEPS_EXCLUDED + 1}")
+    args, unknown = parser.parse_known_args(own)
+    if unknown:
+        raise unrecognized(unknown)
+    check_timed_steps(args.steps)
     if args.repeats < 1 or (args.max_procs is not None and args.max_procs < 1):
         raise UsageError("--repeats/--max-procs", "must be at least 1", "give a positive number")
     return args, trainer_args
+
+
+def prepare_out(out: Path) -> None:
+    """Make the output folder before any run or report is written, so that a bad --out costs no run."""
+    if out.exists() and not out.is_dir():
+        raise UsageError("--out", f"{out} is a file, not a folder", "give a folder path, new or existing")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError("--out", f"cannot create {out} ({err.strerror or first_line(err)})",
+                         "give a folder you can write to") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError("--out", f"{out} is not writable", "give a folder you can write to")
 
 
 def run_command(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) -> list[str]:
     """Timing-friendly defaults first (no validation or checkpoints mid-window); the user's args win."""
     cfg = load_config(trainer_args, os.environ, world_size=nproc)  # a bad option fails here, in one line
     samples = steps * cfg.batch_size * cfg.grad_accum * nproc  # one epoch covers the run: no epoch-end work
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "trainer", "--max-steps", str(steps), "--synthetic-size", str(max(samples, 1)),
+    return [*torchrun_command(nproc), "-m", "trainer", "--max-steps", str(steps),
+            "--synthetic-size", str(max(samples, 1)),
             "--val-every", "0", "--checkpoint-every", "0", "--log-every", str(steps), "--resume", "never",
             *trainer_args, "--log-dir", str(run_dir / "runs"), "--checkpoint-dir", str(run_dir / "checkpoints")]
 
@@ -86,27 +135,32 @@ def run_counting_other_work(command: list[str], **kwargs) -> tuple[subprocess.Co
     return done, max(0.0, others)
 
 
-def measure(nproc: int, steps: int, trainer_args: list[str], run_dir: Path) -> dict:
+def measure(nproc: int, command: list[str], run_dir: Path) -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # the same threads per process at every count (torchrun sets 1 only for >1)
-    command = run_command(nproc, steps, trainer_args, run_dir)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
     done, others = run_counting_other_work(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                            text=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a model per run adds up; the summary is kept
     if done.returncode != 0:
-        raise SystemExit(f"error: the {nproc}-process run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        exit_with_failed_run(done)
     return {**read_summary(run_dir / "runs" / "summary.json", f"the {nproc}-process run"), "other_cores_busy": others}
 
 
 def read_summary(path: Path, setting: str = "--from-summaries") -> dict:
+    fix = f"give the summary.json of runs that completed more than {WARMUP_STEPS_EXCLUDED} steps"
     try:
         summary = json.loads(path.read_text())
-        return {"processes": int(summary["world_size"]), "samples_per_second": float(summary["samples_per_second"]),
-                "model": summary.get("model"), "device": summary.get("device"), "summary": str(path.resolve())}
+        processes, speed = int(summary["world_size"]), float(summary["samples_per_second"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(setting, f"{path} is not a finished run's summary.json ({type(err).__name__}: {err})",
-                         "give the summary.json of runs that completed more than 5 steps") from None
+        raise UsageError(setting, f"{path} is not a finished run's summary.json ({type(err).__name__}: "
+                         f"{first_line(err)})", fix) from None
+    # Speed-up and efficiency divide by both.
+    for field, ok in (("world_size", processes >= 1), ("samples_per_second", math.isfinite(speed) and speed > 0)):
+        if not ok:
+            raise UsageError(setting, f"{path}: {field} is {summary[field]}, not a positive number", fix)
+    return {"processes": processes, "samples_per_second": speed, "model": summary.get("model"),
+            "device": summary.get("device"), "summary": str(path.resolve())}
 
 
 def analyse(runs: list[dict]) -> list[dict]:
@@ -167,7 +221,6 @@ def write_report(runs: list[dict], out: Path, command: str, trainer_args: list[s
     rows = analyse(runs)
     model = runs[0].get("model") or "model"
     title = f"{model}, {runs[0].get('device') or ''}: efficiency = speed-up / processes"
-    out.mkdir(parents=True, exist_ok=True)
     title_line = f"`{command}`"
     if all("other_cores_busy" in r for r in runs):  # measured here, not read from summaries
         others = statistics.median(r["other_cores_busy"] for r in runs)
@@ -188,13 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_usage_error():
         args, trainer_args = parse_args(argv)
         if args.from_summaries:
-            write_report([read_summary(p) for p in args.from_summaries], args.out, command, trainer_args)
+            runs = [read_summary(p) for p in args.from_summaries]
+            prepare_out(args.out)
+            write_report(runs, args.out, command, trainer_args)
             return 0
         max_procs = args.max_procs or visible_gpu_count() or 2
-        runs = []
-        for repeat in range(args.repeats):  # interleaved: a noisy neighbour slows every count alike
-            for nproc in range(1, max_procs + 1):
-                runs.append(measure(nproc, args.steps, trainer_args, args.out / "runs" / f"{nproc}p-{repeat + 1}"))
+        # Interleaved: a noisy neighbour slows every count alike.
+        plan = [(nproc, args.out / "runs" / f"{nproc}p-{repeat + 1}")
+                for repeat in range(args.repeats) for nproc in range(1, max_procs + 1)]
+        # Every command up front: an option that is wrong only at some process count fails before any run.
+        run_commands = [run_command(nproc, args.steps, trainer_args, run_dir) for nproc, run_dir in plan]
+        prepare_out(args.out)
+        runs = [measure(nproc, run, run_dir) for (nproc, run_dir), run in zip(plan, run_commands)]
         write_report(runs, args.out, command, trainer_args)
     return 0
 

@@ -73,8 +73,17 @@ def _import_torch_quietly() -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+def _drop_torchruns_failure_line() -> None:
+    """torchrun logs each worker failure on its own; the one line main() prints says it for all of them."""
+    import logging
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not str(record.msg).startswith("failed (exitcode"))
+
+
 def main(argv: list[str] | None = None) -> int:
     _import_torch_quietly()
+    _drop_torchruns_failure_line()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

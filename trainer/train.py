@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from trainer import distributed
 from trainer.config import TrainConfig, load_config
 from trainer.distributed import DistContext
-from trainer.errors import UsageError, exit_on_usage_error, first_line, print_error
+from trainer.errors import EchoedUsageError, UsageError, exit_on_usage_error, first_line, print_error
 from trainer.supervisor import stop_host_agent
 
 log = logging.getLogger("trainer")
@@ -108,7 +108,7 @@ def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
     if failure is not None:
         raise failure
     if kind == "error":
-        raise UsageError(*value)
+        raise UsageError(*value) if ctx.is_main else EchoedUsageError(*value)
     if kind == "failed":
         raise MainRankFailed(f"rank 0 failed ({value}); its log has the details")
     return value
