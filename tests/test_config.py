@@ -146,3 +146,12 @@ def test_dotenv_written_with_a_byte_order_mark(tmp_path):
     path = tmp_path / ".env"
     path.write_bytes("TRAIN_MODEL=cnn\n".encode("utf-8-sig"))
     assert load_config(["--env-file", str(path)], {}, world_size=1).model == "cnn"
+
+
+def test_readme_lists_every_option_with_its_variable_and_default():
+    rows = {line.split("|")[1].strip(" `"): line for line in
+            (Path(__file__).parents[1] / "README.md").read_text().splitlines() if line.startswith("| `--")}
+    for f in OPTIONS:
+        row = rows.get(flag_name(f.name))
+        assert row is not None, f"README's options table has no row for {flag_name(f.name)}"
+        assert f"`{env_name(f.name)}`" in row and f"`{f.default}`" in row, row

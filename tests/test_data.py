@@ -148,6 +148,19 @@ def test_imagefolder_val_classes_must_match_train(tmp_path):
         build_datasets(cfg, context())
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_imagefolder_with_a_file_that_is_no_image(tmp_path, workers):
+    write_image_folder(tmp_path / "data", per_class={"train": 4, "val": 1})
+    broken = tmp_path / "data" / "train" / "dog" / "2.png"
+    broken.write_text("not an image\n")
+    result = run_trainer(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
+                          "--batch-size", "2", "--num-workers", str(workers), *dirs_args(tmp_path)], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --data-dir: cannot read the image {broken} (not an image PIL can decode) "
+                      "(remove or replace the file)"], result.stderr[-3000:]
+
+
 def test_imagefolder_augmentation_leaves_the_global_rng_alone(tmp_path):
     """With --num-workers 0 the dataset runs in the training process, whose RNG the checkpoint saves."""
     write_image_folder(tmp_path / "data", per_class={"train": 2, "val": 1})

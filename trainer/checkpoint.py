@@ -1,4 +1,4 @@
-"""Committed checkpoints: a checkpoint exists only once it is fully on disk.
+"""Checkpoints: what they hold, and committing them (a checkpoint exists only once it is fully on disk).
 
 Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
 At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
@@ -12,12 +12,16 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.config import TrainConfig
+from trainer.distributed import DistContext
 from trainer.errors import UsageError, first_line
+from trainer.optim import load_optimizer_state, load_scaler_state
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,56 @@ FULL_DISK_BYTES = 1 << 20
 
 class CheckpointError(Exception):
     """A checkpoint could not be written; older checkpoints are untouched."""
+
+
+@dataclass
+class Position:
+    """Where training stands: `step` optimizer steps done, and the next micro-batch is `batch` of `epoch`."""
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+
+
+@dataclass
+class Trainable:
+    """What a checkpoint restores besides the position."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+
+
+def snapshot(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    cuda = ctx.device.type == "cuda"
+    return {"format": FORMAT, "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+            "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
+            "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
+            "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}}
+
+
+def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfig, ctx: DistContext) -> Position:
+    """Load a snapshot into parts; the position to continue from."""
+    try:
+        parts.model.load_state_dict(state["model"])
+        load_optimizer_state(parts.optimizer, state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UsageError("--resume", f"{path} does not fit this model ({first_line(err)})",
+                         "use another --checkpoint-dir or --resume never") from None
+    parts.scheduler.load_state_dict(state["scheduler"])
+    load_scaler_state(parts.scaler, state["scaler"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if ctx.device.type == "cuda" and state["rng"]["cuda"].numel():
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+    batch = state["batch"]
+    if state["samples_per_batch"] != cfg.batch_size * ctx.world_size:
+        batch = state["batch"] * state["samples_per_batch"] // (cfg.batch_size * ctx.world_size)
+        batch -= batch % cfg.grad_accum
+        log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
+                    "approximated (%d micro-batches in)", state["epoch"], batch)
+    log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
+    return Position(state["epoch"], batch, state["global_step"])
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -105,10 +159,16 @@ def _load_ours(path: Path) -> dict[str, Any]:
 
 
 def _why_not(err: Exception) -> str:
-    """Why a file is not a checkpoint, in a few words. torch's weights_only refusal begins with paragraphs
-    of advice about pickles from trusted sources; its one useful line is the unpickler's own."""
-    unpickler = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
-    return f"{type(err).__name__}: {unpickler.group(1).strip()[:160] if unpickler else first_line(err)}"
+    """Why a file is not a checkpoint, in a few words. torch's weights_only refusal wraps its one useful
+    line (the unpickler's) in paragraphs of advice about trusted sources."""
+    text = str(err)
+    reason = first_line(err)
+    if text.startswith("Weights only load failed"):
+        advice = ("Please file an issue", "Check the documentation")
+        lines = [line.strip() for line in text.splitlines()[1:]]
+        useful = [line for line in lines if line and not line.startswith(advice)]
+        reason = useful[0][:160] if useful else "refused by weights_only"
+    return f"{type(err).__name__}: {reason}"
 
 
 def _unreadable(path: Path, err: OSError) -> UsageError:

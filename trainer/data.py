@@ -134,6 +134,15 @@ def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
     return to_memory(train), to_memory(val)
 
 
+class UnreadableImage(Exception):
+    """A file in the image folder that cannot be decoded. From a DataLoader worker it comes back with the
+    worker's traceback as its message, whose last line is the original one."""
+
+    @property
+    def what(self) -> str:
+        return str(self).strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
+
+
 class _ImageFolderWithKeys(Dataset):
     """ImageFolder whose random transforms are seeded per (seed, epoch, index)."""
 
@@ -156,9 +165,16 @@ class _ImageFolderWithKeys(Dataset):
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
         path, label = self.folder.samples[index]
+        try:
+            image = self.folder.loader(path)
+        except OSError as err:  # a stray non-image file, a truncated copy, a file of another uid
+            from PIL import UnidentifiedImageError
+
+            reason = "not an image PIL can decode" if isinstance(err, UnidentifiedImageError) else first_line(err)
+            raise UnreadableImage(f"{path} ({reason})") from None
         with torch.random.fork_rng(devices=[]):  # with --num-workers 0 this is the training process's RNG
             torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, self.seed)))
-            return self.transform(self.folder.loader(path)), label
+            return self.transform(image), label
 
 
 class _MemoryAsDataset(Dataset):
@@ -261,13 +277,16 @@ class Batches:
                 yield self._prepare(self.memory.images[idx], self.memory.labels[idx], idx, epoch)
             return
         self.order.indices, self.order.epoch = indices, epoch
-        for batch_number, (images, labels) in enumerate(self.loader):
-            first = batch_number * self.batch_size
-            idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
-            # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps at every batch
-            yield self._prepare(images.to(self.device, non_blocking=True),
-                                labels.to(self.device, non_blocking=True), idx.to(self.device, non_blocking=True),
-                                epoch)
+        try:
+            for batch_number, (images, labels) in enumerate(self.loader):
+                first = batch_number * self.batch_size
+                idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
+                # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps
+                yield self._prepare(images.to(self.device, non_blocking=True),
+                                    labels.to(self.device, non_blocking=True),
+                                    idx.to(self.device, non_blocking=True), epoch)
+        except UnreadableImage as err:
+            raise UsageError("--data-dir", f"cannot read the image {err.what}", "remove or replace the file") from None
 
     def _prepare(self, images: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
         x = images.float().mul_(self.scale).sub_(self.shift)

@@ -15,14 +15,15 @@ uninterrupted one.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from trainer.distributed import DistContext, all_reduce_sum
 
 
 class PeriodicAveraging:
-    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, period: int,
-                 warmup_steps: int, start_step: int):
-        self.ddp_model, self.model, self.optimizer = ddp_model, ddp_model.module, optimizer
+    def __init__(self, ctx: DistContext, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 period: int, warmup_steps: int, start_step: int):
+        self.ctx, self.ddp_model, self.model, self.optimizer = ctx, ddp_model, ddp_model.module, optimizer
         self.period, self.warmup_steps = period, warmup_steps
         self.step = start_step  # optimizer steps completed; restored from the checkpoint's global step
         self.averaged_at = self.synchronised_at = -1
@@ -40,7 +41,7 @@ class PeriodicAveraging:
         """Call after every optimizer step with the global step count."""
         self.step = step
         if step > self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
-            _average(self._model_state())
+            _average(self.ctx, self._model_state())
             self.averaged_at = step
 
     def synchronise(self) -> None:
@@ -49,7 +50,7 @@ class PeriodicAveraging:
             return  # warm-up steps all-reduce gradients: the ranks already agree
         momentum = [value for state in self.optimizer.state.values() for value in state.values()
                     if torch.is_tensor(value) and value.is_floating_point() and value.ndim > 0]
-        _average(momentum + ([] if self.averaged_at == self.step else self._model_state()))
+        _average(self.ctx, momentum + ([] if self.averaged_at == self.step else self._model_state()))
         self.synchronised_at = self.step
 
     def _model_state(self) -> list[torch.Tensor]:
@@ -58,13 +59,13 @@ class PeriodicAveraging:
         return [p.detach() for p in self.model.parameters()] + buffers
 
 
-def _average(tensors: list[torch.Tensor]) -> None:
+def _average(ctx: DistContext, tensors: list[torch.Tensor]) -> None:
     """Average in place over all ranks, as one flat all-reduce per dtype."""
     for dtype in {t.dtype for t in tensors}:
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in group])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
+        all_reduce_sum(ctx, flat)
+        flat /= ctx.world_size
         offset = 0
         for t in group:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -1,6 +1,6 @@
 """What the run tells its user: log lines, TensorBoard scalars, a progress bar, summary.json.
 
-Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank.
+Only rank 0 writes; other ranks log warnings, prefixed with their rank (errors are `error:` lines on any rank).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import os
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -143,15 +143,6 @@ class GracefulStop:
         log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
 
-@dataclass
-class Position:
-    """Where training stands: the next micro-batch to read is `batch` of `epoch`."""
-    epoch: int = 0
-    batch: int = 0
-    step: int = 0
-    resumed_from_step: int | None = None
-
-
 class Diverged(Exception):
     """The weights hold NaN or inf: the run stops and does not commit them."""
 
@@ -180,6 +171,33 @@ def precision_on(device, cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def evaluate(model, batches, cfg: TrainConfig, ctx: DistContext, autocast: Callable) -> dict[str, float]:
+    """Validation metrics over every rank's shard (a collective)."""
+    import torch
+
+    from trainer.models import is_reconstruction, per_sample_loss
+
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, count
+    with torch.no_grad(), autocast():
+        for inputs, labels in batches.epoch(0):
+            inputs = inputs.contiguous(memory_format=memory_format)
+            output = model(inputs)
+            sums[0] += per_sample_loss(cfg.model, output, inputs, labels).sum()
+            if not is_reconstruction(cfg.model):
+                top5 = output.topk(min(5, output.shape[1]), dim=1).indices == labels[:, None]
+                sums[1] += top5[:, 0].sum()
+                sums[2] += top5.any(dim=1).sum()
+            sums[3] += len(labels)
+    model.train()
+    loss, correct1, correct5, count = distributed.all_reduce_sum(ctx, sums).tolist()
+    metrics = {"Loss/val": loss / count}
+    if not is_reconstruction(cfg.model):
+        metrics.update({"acc1/val": correct1 / count, "acc5/val": correct5 / count})
+    return metrics
+
+
 def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -187,8 +205,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     from trainer import checkpoint
     from trainer.data import Batches, build_datasets
     from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
-    from trainer.models import build_model, is_reconstruction, per_sample_loss
-    from trainer.optim import build_optimizer, build_scheduler, load_optimizer_state, load_scaler_state
+    from trainer.models import build_model, per_sample_loss
+    from trainer.optim import build_optimizer, build_scheduler
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     cuda = ctx.device.type == "cuda"
@@ -226,41 +244,9 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     model.to(ctx.device, memory_format=memory_format)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
-
-    def snapshot(pos: Position) -> dict[str, Any]:
-        return {"format": checkpoint.FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
-                "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(),
-                "rng": {"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}}
-
-    def restore(found: tuple[dict, Path] | None) -> Position:
-        if found is None:
-            return Position()
-        state, path = found
-        try:
-            model.load_state_dict(state["model"])
-            load_optimizer_state(optimizer, state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise UsageError("--resume", f"{path} does not fit this model ({first_line(err)})",
-                             "use another --checkpoint-dir or --resume never") from None
-        scheduler.load_state_dict(state["scheduler"])
-        load_scaler_state(scaler, state["scaler"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if cuda and state["rng"]["cuda"].numel():
-            torch.cuda.set_rng_state(state["rng"]["cuda"])
-        batch = state["batch"]
-        if state["samples_per_batch"] != cfg.batch_size * ctx.world_size:
-            batch = state["batch"] * state["samples_per_batch"] // (cfg.batch_size * ctx.world_size)
-            batch -= batch % cfg.grad_accum
-            log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
-                        "approximated (%d micro-batches in)", state["epoch"], batch)
-        log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
-        return Position(state["epoch"], batch, state["global_step"], state["global_step"])
-
-    position = restore(found)
+    parts = checkpoint.Trainable(model, optimizer, scheduler, torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16"))
+    position = checkpoint.restore(parts, *found, cfg, ctx) if found is not None else checkpoint.Position()
+    resumed_from = last_committed = position.step if found is not None else None
     del found  # the model and optimizer hold their own copies now
     ddp_model = model
     if ctx.distributed:
@@ -273,14 +259,13 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     if ctx.distributed and cfg.local_sgd_period:
         from trainer.local_sgd import PeriodicAveraging
 
-        local_sgd = PeriodicAveraging(ddp_model, optimizer, cfg.local_sgd_period, cfg.warmup_steps, position.step)
+        local_sgd = PeriodicAveraging(ctx, ddp_model, optimizer, cfg.local_sgd_period, cfg.warmup_steps,
+                                      position.step)
     forward = local_sgd.forward if local_sgd else ddp_model
     forward = torch.compile(forward) if cfg.compile else forward
 
     def autocast():
         return torch.autocast(ctx.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-
-    last_committed = position.resumed_from_step
 
     def diverged(at_step: int) -> Diverged:
         newest = f"the newest checkpoint is step {last_committed}" if last_committed is not None else \
@@ -288,39 +273,18 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         return Diverged(f"training diverged by step {at_step}: the weights hold NaN or inf and were not committed; "
                         f"{newest} (lower --lr or lengthen --warmup-steps; with --amp fp16 try bf16)")
 
-    def save(pos: Position) -> None:
+    def save(pos: checkpoint.Position) -> None:
         nonlocal last_committed
         if local_sgd:
             local_sgd.synchronise()  # the checkpoint holds rank 0's state: make it every rank's
         if not weights_are_finite(ctx, model):  # rotation would otherwise drop the good checkpoints
             raise diverged(pos.step)
         if ctx.is_main:
-            path = checkpoint.save(Path(cfg.checkpoint_dir), pos.step, snapshot(pos), cfg.keep_checkpoints)
+            state = checkpoint.snapshot(parts, pos, cfg, ctx)
+            path = checkpoint.save(Path(cfg.checkpoint_dir), pos.step, state, cfg.keep_checkpoints)
             log.info("checkpoint committed: %s", path)
         last_committed = pos.step
         distributed.barrier(ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
-
-    def validate() -> dict[str, float]:
-        if local_sgd:
-            local_sgd.synchronise()
-        model.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, count
-        with torch.no_grad(), autocast():
-            for inputs, labels in val_batches.epoch(0):
-                inputs = inputs.contiguous(memory_format=memory_format)
-                output = model(inputs)
-                sums[0] += per_sample_loss(cfg.model, output, inputs, labels).sum()
-                if not is_reconstruction(cfg.model):
-                    top5 = output.topk(min(5, output.shape[1]), dim=1).indices == labels[:, None]
-                    sums[1] += top5[:, 0].sum()
-                    sums[2] += top5.any(dim=1).sum()
-                sums[3] += len(labels)
-        model.train()
-        loss, correct1, correct5, count = distributed.all_reduce_sum(ctx, sums).tolist()
-        metrics = {"Loss/val": loss / count}
-        if not is_reconstruction(cfg.model):
-            metrics.update({"acc1/val": correct1 / count, "acc5/val": correct5 / count})
-        return metrics
 
     def sync() -> None:
         if cuda:
@@ -352,13 +316,13 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                 with autocast():
                     inputs = inputs.contiguous(memory_format=memory_format)
                     loss = per_sample_loss(cfg.model, forward(inputs), inputs, labels).mean()
-                scaler.scale(loss / cfg.grad_accum).backward()
+                parts.scaler.scale(loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
             loss_count += 1
             if not boundary:
                 continue
-            scaler.step(optimizer)
-            scaler.update()
+            parts.scaler.step(optimizer)
+            parts.scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
@@ -384,13 +348,15 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                 epochs_completed = epoch + 1
                 if val_batches is not None and epochs_completed % cfg.val_every == 0:
                     with throughput.paused():
-                        val_metrics = validate()
+                        if local_sgd:
+                            local_sgd.synchronise()
+                        val_metrics = evaluate(model, val_batches, cfg, ctx, autocast)
                     scalars.add(step, **val_metrics)
                     log.info("epoch %d validation: %s", epoch,
                              ", ".join(f"{k} {v:.4f}" for k, v in val_metrics.items()))
                 scalars.add(step, **{"time/epoch_s": time.perf_counter() - epoch_start})
             stopping = stop_vote.vote(stop.requested)
-            here = Position(epoch + 1, 0, step) if epoch_done else Position(epoch, micro, step)
+            here = checkpoint.Position(epoch + 1, 0, step) if epoch_done else checkpoint.Position(epoch, micro, step)
             if epoch_done or stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) \
                     or step == total_steps:
                 with throughput.paused():
@@ -414,7 +380,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         "samples_seen": step * cfg.samples_per_step, "samples_per_second": throughput.samples_per_second(),
         "wall_seconds": time.perf_counter() - started, "train_loss": train_loss,
         "val_loss": val_metrics.get("Loss/val"), "val_acc1": val_metrics.get("acc1/val"),
-        "val_acc5": val_metrics.get("acc5/val"), "resumed_from_step": position.resumed_from_step,
+        "val_acc5": val_metrics.get("acc5/val"), "resumed_from_step": resumed_from,
     }
     if ctx.is_main:
         write_json_atomic(Path(cfg.log_dir) / "summary.json", summary)
