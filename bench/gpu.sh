@@ -25,7 +25,7 @@ if [[ " $sections " == *" 1 "* ]]; then
   work=$(mktemp -d)
   smoke=(--model cifar_resnet18 --amp fp16 --channels-last --synthetic-size 2560 --batch-size 64
          --checkpoint-every 10 --val-every 1 --log-dir "$work/runs" --checkpoint-dir "$work/checkpoints"
-         --env-file "$work/no.env")
+         --env-file /dev/null)
   $python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer "${smoke[@]}" --max-steps 20
   $python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer "${smoke[@]}" --max-steps 40 \
     2>&1 | tee "$out/resume.log"

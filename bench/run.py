@@ -97,7 +97,7 @@ def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str, extra: str
             "--synthetic-image-size", str(args.image_size), "--val-every", "0",
             "--log-every", str(args.steps), "--checkpoint-every", "0", "--resume", "never",
             "--log-dir", f"{workdir}/runs", "--checkpoint-dir", f"{workdir}/checkpoints",
-            "--env-file", f"{workdir}/no.env", *shlex.split(extra)]
+            "--env-file", os.devnull, *shlex.split(extra)]
 
 
 def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Path) -> list[str]:

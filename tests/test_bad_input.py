@@ -159,6 +159,8 @@ TABLE = {
     "synthetic data beyond the host's memory": worker("--synthetic-size", "--synthetic-size", "100000000000"),
     "seed beyond 32 bits": worker("--seed", "--seed", "99999999999999999999"),
     ".env line that does not parse": BadInput(WORKER, "--env-file", dotenv='TRAIN_LR="0.05\nTRAIN_EPOCHS=1\n'),
+    "env file named but missing": worker("--env-file", "--env-file", "prod.env"),
+    "env file a directory": BadInput(WORKER, "--env-file", ("--env-file", "somewhere"), files=a_directory),
     ".env misspelt name": BadInput(WORKER, "TRAIN_BATCHSIZE", dotenv="TRAIN_BATCHSIZE=16\n"),
     "environment misspelt name": worker("TRAIN_EPOCH", TRAIN_EPOCH="1"),
     "RANK without WORLD_SIZE": worker("WORLD_SIZE", RANK="0"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -45,25 +46,25 @@ def test_default_env_file_is_dot_env_in_the_working_directory(tmp_path, monkeypa
 
 
 def test_defaults_without_any_source(tmp_path):
-    cfg = load_config(["--env-file", str(tmp_path / "absent.env")], {}, world_size=1)
+    cfg = load_config(["--env-file", os.devnull], {}, world_size=1)
     assert {f.name: getattr(cfg, f.name) for f in OPTIONS} == {f.name: DEFAULTS[f.name] for f in OPTIONS}
 
 
 @pytest.mark.parametrize("raw, expected", [("true", True), ("1", True), ("on", True), ("false", False),
                                            ("0", False), ("no", False)])
 def test_booleans_from_environment(tmp_path, raw, expected):
-    cfg = load_config(["--env-file", str(tmp_path / "absent.env")], {"TRAIN_CHANNELS_LAST": raw}, world_size=1)
+    cfg = load_config(["--env-file", os.devnull], {"TRAIN_CHANNELS_LAST": raw}, world_size=1)
     assert cfg.channels_last is expected
 
 
 def test_bare_boolean_flag_means_true_and_beats_environment(tmp_path):
-    cfg = load_config(["--env-file", str(tmp_path / "absent.env"), "--sync-bn", "--compile", "false"],
+    cfg = load_config(["--env-file", os.devnull, "--sync-bn", "--compile", "false"],
                       {"TRAIN_SYNC_BN": "0", "TRAIN_COMPILE": "1"}, world_size=1)
     assert (cfg.sync_bn, cfg.compile) == (True, False)
 
 
 def test_global_batch_size_is_divided_by_world_size_and_grad_accum(tmp_path):
-    cfg = load_config(["--env-file", str(tmp_path / "absent.env"), "--global-batch-size", "256",
+    cfg = load_config(["--env-file", os.devnull, "--global-batch-size", "256",
                        "--grad-accum", "2"], {}, world_size=4)
     assert (cfg.batch_size, cfg.world_size, cfg.samples_per_step) == (32, 4, 256)
 
@@ -136,7 +137,7 @@ def test_nccl_without_gpu(tmp_path):  # the test environment hides any GPU
 def test_resume_never_becomes_auto_when_torchrun_restarts_the_workers(tmp_path):
     """The first attempt checked that the directory was empty: what is there now is this run's own."""
     (tmp_path / "step-00000010.pt").touch()
-    args = ["--env-file", str(tmp_path / "absent.env"), "--resume", "never", "--checkpoint-dir", str(tmp_path)]
+    args = ["--env-file", os.devnull, "--resume", "never", "--checkpoint-dir", str(tmp_path)]
     with pytest.raises(UsageError, match="holds another run's checkpoints"):
         load_config(args, {"TORCHELASTIC_RESTART_COUNT": "0"}, world_size=1)
     assert load_config(args, {"TORCHELASTIC_RESTART_COUNT": "1"}, world_size=1).resume == "auto"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -27,7 +28,7 @@ def context(rank: int = 0, world_size: int = 1) -> DistContext:
 
 
 def config(tmp_path, *args: str, world_size: int = 1):
-    return load_config(["--env-file", str(tmp_path / "absent.env"), *args], {}, world_size)
+    return load_config(["--env-file", os.devnull, *args], {}, world_size)
 
 
 def collect(batches: Batches, epoch: int, start_batch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

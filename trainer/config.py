@@ -23,6 +23,7 @@ from dotenv.parser import parse_stream
 from trainer.errors import OneLineErrorParser, UsageError
 
 ENV_PREFIX = "TRAIN_"
+DEFAULT_ENV_FILE = ".env"
 
 MODELS = ("resnet18", "resnet50", "cifar_resnet18", "cnn", "autoencoder")
 DATASETS = ("synthetic", "cifar10", "mnist", "imagefolder")
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"variable ({ENV_PREFIX}<OPTION>) and may stand in a .env file; flags win over the "
         "environment, the environment over .env, .env over defaults.",
     )
-    parser.add_argument("--env-file", default=".env", help="dotenv file read for TRAIN_* values (default: .env)")
+    parser.add_argument("--env-file", help="dotenv file read for TRAIN_* values (default: .env, if there is one; "
+                        "/dev/null: none)")
     for f in OPTIONS:
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]"
         if f.type == "bool":
@@ -158,9 +160,10 @@ def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
     """Merge flags, environment, .env and defaults into a validated TrainConfig."""
     args = build_parser().parse_args(argv)
-    dotenv = _read_dotenv(args.env_file)
+    env_file = args.env_file or DEFAULT_ENV_FILE
+    dotenv = _read_dotenv(env_file, named=args.env_file is not None)
     _reject_unknown_names(environ, "the environment")
-    _reject_unknown_names(dotenv, args.env_file)
+    _reject_unknown_names(dotenv, env_file)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # option -> the setting the user wrote, for error messages
     for f in OPTIONS:
@@ -170,7 +173,7 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_si
         elif env_name(f.name) in environ:
             raw, setting = environ[env_name(f.name)], env_name(f.name)
         elif env_name(f.name) in dotenv:
-            raw, setting = dotenv[env_name(f.name)], f"{env_name(f.name)} (in {args.env_file})"
+            raw, setting = dotenv[env_name(f.name)], f"{env_name(f.name)} (in {env_file})"
         else:
             continue
         # With postponed annotations f.type is the annotation's text: "int", "bool", ...
@@ -192,9 +195,13 @@ def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
             raise UsageError(name, f"in {where} is not a training setting", f"{hint}`trainer --help` lists them")
 
 
-def _read_dotenv(path: str) -> dict[str, str]:
-    if not Path(path).is_file():
-        return {}
+def _read_dotenv(path: str, named: bool) -> dict[str, str]:
+    """named: the user gave the file, so a typo in its name must not drop every setting in it."""
+    if not Path(path).exists() or Path(path).is_dir():
+        if not named:
+            return {}  # the default .env is optional
+        problem = "is a directory" if Path(path).is_dir() else "does not exist"
+        raise UsageError("--env-file", f"'{path}' {problem}", "give a dotenv file, or /dev/null for none")
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except (OSError, UnicodeDecodeError) as err:
