@@ -105,6 +105,7 @@ def test_missing_dataset_with_the_network_refused(tmp_path, dataset):
                          timeout=BAD_INPUT_TIMEOUT_S)
     assert_missing_dataset_error(result)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "data").exists()  # torchvision made it for the download; nothing is left
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fault_helpers import Launch, checkpoint_files, error_lines, launcher_env, running, tiny_run, wait_until
-from helpers import (assert_same_params, checkpoint_steps, clean_env, final_params, free_port, load_checkpoint,
-                     read_summary)
+from helpers import (assert_same_params, assert_usage_error, checkpoint_steps, clean_env, final_params, free_port,
+                     load_checkpoint, read_summary)
 from trainer import checkpoint
 
 COLLECTIVE_TIMEOUT_S = 5
@@ -265,6 +265,22 @@ def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path
         for path in kept:
             assert checkpoint.load(path)["global_step"] == int(path.stem[5:])
         assert not list((disk / "checkpoints").glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
+    """An empty file still fits on a full disk, so the start-up check also asks for free space."""
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "2m")
+    try:
+        fill(disk)
+        result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=64),
+                                 "--log-dir", str(disk / "runs")], cwd=tmp_path, env=clean_env(),
+                                capture_output=True, text=True, timeout=RUN_BOUND_S)
+        line = assert_usage_error(result, "--log-dir")
+        assert f"'{disk / 'runs'}' has 0 KiB free" in line
+        assert not checkpoint.list_checkpoints(tmp_path / "checkpoints")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 

@@ -13,6 +13,7 @@ Input paths:
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,11 +112,14 @@ def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
             # download would wait forever (and the other ranks with it) instead of failing.
             previous_timeout = socket.getdefaulttimeout()
             socket.setdefaulttimeout(DOWNLOAD_STALL_TIMEOUT_S)
+            created = not Path(cfg.data_dir).exists()
             try:
                 cls(cfg.data_dir, train=True, download=True)
                 cls(cfg.data_dir, train=False, download=True)
             except Exception as err:  # noqa: BLE001 (network, permissions, read-only mount: all mean the same to the user)
                 failure = err
+                if created:  # a mistyped --data-dir leaves no empty folders behind
+                    shutil.rmtree(cfg.data_dir, ignore_errors=True)
             finally:
                 socket.setdefaulttimeout(previous_timeout)
     try:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -21,6 +22,7 @@ from trainer.supervisor import stop_host_agent
 
 log = logging.getLogger("trainer")
 WARMUP_STEPS_EXCLUDED = 5  # allocator, cudnn autotune and compile make the first steps slow
+MIN_FREE_BYTES = 1 << 20  # in each output directory at start-up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +122,12 @@ def ensure_output_dir(path: str, setting: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
+        free = shutil.disk_usage(path).free
     except OSError as err:
         raise UsageError(setting, f"'{path}' is not a writable directory ({err.strerror or first_line(err)})",
                          f"point it at a directory uid {os.getuid()} can write, e.g. a mounted volume") from None
+    if free < MIN_FREE_BYTES:  # an empty file still fits on a full disk
+        raise UsageError(setting, f"'{path}' has {free >> 10} KiB free", "free some space or use a bigger volume")
 
 
 class GracefulStop:
