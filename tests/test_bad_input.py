@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from fault_helpers import tiny_run, wait_until
-from helpers import as_unprivileged, clean_env, free_port
+from helpers import as_unprivileged, clean_env, free_port, trainer_command
 
 # The product's goal is 5 s. Importing torch alone takes 2 s on an idle machine and up to 8 s on this
 # loaded 2-core runner, so the bound is looser: what it must catch is a hang (rendezvous waits 900 s).
@@ -115,6 +115,7 @@ TABLE = {
     "zero collective timeout": launcher("--collective-timeout", "--collective-timeout", "0"),
     "global batch not divisible by the world": launcher("--global-batch-size", "--global-batch-size", "33"),
     "unknown flag": launcher("arguments", "--learning-rate", "0.1"),
+    "sync-bn without GPUs": launcher("--sync-bn", "--sync-bn"),
     "missing resume checkpoint": launcher("--resume", "--resume", "checkpoints/step-00000099.pt"),
     "imagefolder without a data dir": launcher("--data-dir", "--dataset", "imagefolder", "--data-dir", "nowhere"),
     "imagefolder through the memory path": BadInput(LAUNCH, "--loader", ("--dataset", "imagefolder", "--data-dir",
@@ -326,3 +327,32 @@ def test_checkpoint_the_trainer_may_not_read_is_not_taken_for_corrupt(workdir, c
     line = assert_fails_fast_with_one_line(result, took, "--checkpoint-dir")
     assert f"cannot read checkpoints/{checkpoint.name} (Permission denied)" in line
     assert snapshot(workdir) == before
+
+
+def test_sync_bn_without_gpus_under_plain_torchrun(workdir):
+    """Without the launcher each rank checks for itself: one line per rank, exit 2, nothing trained."""
+    before = snapshot(workdir)
+    result, took = run_bad(trainer_command([*BASE_ARGS, "--sync-bn"], nproc=2), workdir, {})
+    assert "[rank0]: Traceback" not in result.stderr, result.stderr[-3000:]  # (torchrun's own is its business)
+    errors = {line for line in result.stderr.splitlines() if line.startswith("error: ")}
+    assert errors == {"error: --sync-bn: SyncBatchNorm runs on CUDA GPUs only and none is visible "
+                      "(drop --sync-bn on CPU hosts)"}, result.stderr[-3000:]
+    assert snapshot(workdir) == before
+
+
+def test_two_runs_sharing_a_checkpoint_dir(workdir):
+    """The second run is refused: sharing, each would rotate away the other's checkpoints."""
+    first = subprocess.Popen([*WORKER, *BASE_ARGS, "--synthetic-size", "20000", "--epochs", "5",
+                              "--log-dir", "first-runs"], cwd=workdir, env=clean_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lock = workdir / "checkpoints" / ".lock"
+        wait_until(lambda: lock.exists() and f"pid {first.pid} " in lock.read_text(), 120,
+                   "the first run to claim the checkpoint directory")
+        result, took = run_bad([*WORKER, *BASE_ARGS], workdir, {})
+        line = assert_fails_fast_with_one_line(result, took, "--checkpoint-dir")
+        assert f"is in use by another run (pid {first.pid} on " in line
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()
+        first.wait()

@@ -232,11 +232,10 @@ def mount_tmpfs(path: Path, size: str) -> None:
 
 def fill(directory: Path) -> None:
     """Take every free byte of the file system, as a growing dataset or log would."""
-    with open(directory / "filler", "wb") as f:
+    with open(directory / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to fail at close
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError:
             pass
 
@@ -281,6 +280,25 @@ def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
         line = assert_usage_error(result, "--log-dir")
         assert f"'{disk / 'runs'}' has 0 KiB free" in line
         assert not checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_log_disk_filling_up_mid_run_costs_the_events_not_the_training(tmp_path):
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "4m")
+    try:
+        args = [*tiny_run(tmp_path, samples=9600), "--log-dir", str(disk / "runs"), "--log-every", "1"]
+        worker = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: list((disk / "runs").glob("events.out.tfevents.*")), 120, "the first TensorBoard events")
+        fill(disk)
+        _, stderr = worker.communicate(timeout=RUN_BOUND_S)
+        assert worker.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert any("TensorBoard events can no longer be written" in line for line in stderr.splitlines()), stderr
+        assert stderr.strip().splitlines()[-1].startswith("error: --log-dir: cannot write summary.json (No space ")
+        assert checkpoint_steps(tmp_path / "checkpoints")[-1] == 600  # training went on to its last step
+        assert not list((disk / "runs").glob(".summary.json*"))
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
@@ -356,3 +374,21 @@ def test_stopping_one_host_stops_the_whole_job_at_once(tmp_path, launches, stopp
     stopped = read_summary(tmp_path / "runs")
     assert stopped["status"] == "stopped" and stopped["world_size"] == 2 and stopped["global_step"] < 200
     assert checkpoint_steps(tmp_path / "checkpoints")[-1] == stopped["global_step"]
+
+
+@pytest.mark.parametrize("delay_s", [1.0, 2.5])
+def test_ctrl_c_while_starting_ends_in_one_line(tmp_path, delay_s):
+    """Before the training loop's handler exists, SIGINT is Python's KeyboardInterrupt: no traceback either."""
+    worker = subprocess.Popen([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=640)], cwd=tmp_path,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    worker.send_signal(signal.SIGINT)
+    _, stderr = worker.communicate(timeout=RUN_BOUND_S)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if worker.returncode == 0:  # the loop had started: a checkpointed stop
+        assert read_summary(tmp_path / "runs")["status"] == "stopped"
+    else:
+        # 130, or killed by SIGINT: CPython re-raises the signal at exit when the interrupt landed in exec'd
+        # code (dataclasses build __init__ that way), even though it was handled.
+        assert worker.returncode in (130, -signal.SIGINT), stderr[-3000:]
+        assert stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT) before training started", stderr

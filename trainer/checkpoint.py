@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"^step-(\d{8,})\.pt$")
 TEMP_PREFIX = ".tmp-"
 FORMAT = 1  # the "format" key of every checkpoint this trainer writes
+LOCK_NAME = ".lock"
 FULL_DISK_BYTES = 1 << 20
 
 
@@ -83,6 +86,24 @@ def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfi
                     "approximated (%d micro-batches in)", state["epoch"], batch)
     log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
     return Position(state["epoch"], batch, state["global_step"])
+
+
+def claim(directory: Path) -> IO[str]:
+    """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
+    rotation (each keeps the highest steps) and temp files. Held until the returned file is closed."""
+    lock = open(directory / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UsageError("--checkpoint-dir", f"{directory} is in use by another run ({holder})",
+                         "give each run its own --checkpoint-dir") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:

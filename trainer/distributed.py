@@ -111,17 +111,22 @@ class DistContext:
         return self.backend != "none"
 
 
-def check_backend(choice: str, cuda_available: bool) -> None:
-    if choice == "nccl" and not cuda_available:
+def check_gpu_options(backend: str, sync_bn: bool, cuda_available: bool, world_size: int) -> None:
+    """Settings that need a GPU, refused where there is none (the launcher checks before torchrun starts
+    ranks that would each fail)."""
+    if backend == "nccl" and not cuda_available:
         raise UsageError("--backend", "nccl needs a CUDA GPU and none is visible",
                          "use --backend gloo (or auto) on CPU hosts, or give the container GPUs")
+    if sync_bn and world_size > 1 and not cuda_available:
+        raise UsageError("--sync-bn", "SyncBatchNorm runs on CUDA GPUs only and none is visible",
+                         "drop --sync-bn on CPU hosts")
 
 
 def resolve_backend(choice: str) -> str:
     import torch
 
     cuda_available = torch.cuda.is_available()
-    check_backend(choice, cuda_available)
+    check_gpu_options(choice, False, cuda_available, 1)
     if choice == "auto":
         return "nccl" if cuda_available else "gloo"
     return choice

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from trainer.config import FALSE_WORDS, TRUE_WORDS, TrainConfig, load_config
-from trainer.distributed import DEFAULT_MASTER_PORT, check_backend, detect_topology
+from trainer.distributed import DEFAULT_MASTER_PORT, check_gpu_options, detect_topology
 from trainer.errors import UsageError, env_int, exit_on_usage_error, print_error
 
 DEFAULT_RDZV_TIMEOUT = 900
@@ -113,7 +113,7 @@ def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
     options = load_config(trainer_args, env, world_size=1)
     plan = plan_from_env(env, gpu_count)
     # The worker's own check, before torchrun starts ranks that would each fail with it.
-    check_backend(options.backend, gpu_count() > 0)
+    check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, plan.world_size)
     return torchrun_command(plan, trainer_args), load_config(trainer_args, env, world_size=plan.world_size), plan
 
 

@@ -10,11 +10,13 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trainer.distributed import DistContext
+from trainer.errors import first_line
 
 
 def setup_logging(ctx: DistContext) -> None:
@@ -25,24 +27,50 @@ def setup_logging(ctx: DistContext) -> None:
 
 
 class Scalars:
-    """TensorBoard scalars on rank 0; silent elsewhere."""
+    """TensorBoard scalars on rank 0; silent elsewhere. Events that cannot be written (a full disk) are
+    given up with one warning: they are worth less than the training, whose checkpoints go elsewhere."""
 
     def __init__(self, ctx: DistContext, log_dir: str, purge_step: int | None):
         self.writer = None
+        self.log_dir = log_dir
         if ctx.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events a killed run wrote after its last checkpoint.
             self.writer = SummaryWriter(log_dir, purge_step=purge_step)
+            _quiet_event_writer_thread()
 
     def add(self, step: int, **values: float) -> None:
         if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+            try:
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, step)
+            except OSError as err:
+                self._give_up(err)
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as err:
+                self._give_up(err)
+
+    def _give_up(self, err: OSError) -> None:
+        logging.warning("TensorBoard events can no longer be written to %s (%s): training goes on without them",
+                        self.log_dir, err.strerror or first_line(err))
+        self.writer = None
+
+
+def _quiet_event_writer_thread() -> None:
+    """TensorBoard's writer thread dies with a traceback when a write fails, then hands the same error to
+    the training thread's next add_scalar (Scalars reports it there, in one line)."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    threading.excepthook = hook
 
 
 class Progress:
@@ -133,5 +161,9 @@ def _training_seconds(begin: tuple[float, float], end: tuple[float, float]) -> f
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(temp, path)
+    try:
+        temp.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise

@@ -82,7 +82,11 @@ def _drop_torchruns_failure_line() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _import_torch_quietly()
+    try:
+        _import_torch_quietly()
+    except KeyboardInterrupt:  # Ctrl-C in the seconds before torchrun (which handles it later) runs
+        print_error("interrupted (SIGINT) before the workers started")
+        return 130
     _drop_torchruns_failure_line()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -26,6 +26,14 @@ MIN_FREE_BYTES = 1 << 20  # in each output directory at start-up
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return run_worker(argv)
+    except KeyboardInterrupt:  # Ctrl-C before GracefulStop took over (it makes later ones a checkpointed stop)
+        print_error("interrupted (SIGINT) before training started")
+        return 130
+
+
+def run_worker(argv: list[str] | None) -> int:
     started = time.perf_counter()
     with exit_on_usage_error():
         topology = distributed.detect_topology(os.environ)
@@ -218,6 +226,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     if cuda:
         torch.backends.cudnn.benchmark = True
     cfg = precision_on(ctx.device, cfg)
+    distributed.check_gpu_options(cfg.backend, cfg.sync_bn, cuda, ctx.world_size)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
 
@@ -240,8 +249,14 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         log.info("nothing to do: %s is at step %d of %d (raise --epochs or --max-steps to train on)",
                  found[1], found[0]["global_step"], total_steps)
         return 0
-    on_main_then_share(ctx, lambda: (ensure_output_dir(cfg.checkpoint_dir, "--checkpoint-dir"),
-                                     ensure_output_dir(cfg.log_dir, "--log-dir")))
+    claimed = []  # rank 0's lock on the checkpoint directory, held until train() returns
+
+    def prepare_outputs() -> None:
+        ensure_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+        ensure_output_dir(cfg.log_dir, "--log-dir")
+        claimed.append(checkpoint.claim(Path(cfg.checkpoint_dir)))
+
+    on_main_then_share(ctx, prepare_outputs)
 
     model = build_model(cfg.model, spec)
     if cfg.sync_bn and ctx.distributed:
@@ -388,7 +403,12 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         "val_acc5": val_metrics.get("acc5/val"), "resumed_from_step": resumed_from,
     }
     if ctx.is_main:
-        write_json_atomic(Path(cfg.log_dir) / "summary.json", summary)
+        try:
+            write_json_atomic(Path(cfg.log_dir) / "summary.json", summary)
+        except OSError as err:
+            print_error(f"--log-dir: cannot write summary.json ({err.strerror or first_line(err)}) (free space in "
+                        f"{cfg.log_dir}; the checkpoints are committed)")
+            return 1
         log.info("%s at step %d: %s", status, step, Path(cfg.log_dir) / "summary.json")
     if status == "stopped" and not stop.requested and ctx.is_local_main and stop_host_agent(os.environ):
         log.warning("the stop was requested on another host: stopping this host's launcher too")
