@@ -24,11 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.config import load_config
+from trainer.config import RECONSTRUCTION_MODELS, load_config
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
 from trainer.launch import visible_gpu_count
-from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, prepare_out, run_counting_other_work,
-                           torchrun_command)
+from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, prepare_out, reject_harness_flags,
+                           run_counting_other_work, torchrun_command)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if value < 1:
             raise UsageError(setting, f"{value} is below 1", "give 1 or more")
     check_timed_steps(args.steps)
+    if args.model in RECONSTRUCTION_MODELS and {"handwritten", "lightning"} & set(args.stacks):
+        raise UsageError("--model", f"{args.model} learns to reconstruct, and the hand-written and Lightning stacks "
+                         "train classifiers", "choose a classifier, or --stacks trainer baseline")
     if "lightning" in args.stacks and importlib.util.find_spec("lightning") is None:
         raise UsageError("--stacks", "lightning is not installed",
                          "pip install -e '.[bench]', or leave lightning out of --stacks")
@@ -79,6 +82,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_trainer_options(args: argparse.Namespace) -> None:
     """Every run's trainer options, checked as the trainer will: a mistake fails here, in one line,
     not rounds into the benchmark."""
+    owned = {"--max-steps": "--steps", "--synthetic-size": "--steps", "--log-dir": "--out", "--checkpoint-dir": "--out",
+             "--model": "--model (every stack trains it)", "--batch-size": "--batch-size (every stack uses it)",
+             "--synthetic-image-size": "--image-size"}
+    for setting, extra in (("--trainer-args", args.trainer_args), ("--baseline-args", args.baseline_args)):
+        try:
+            reject_harness_flags(shlex.split(extra), owned, setting)
+        except ValueError as err:  # shlex: an unbalanced quote
+            raise UsageError(setting, first_line(err), "quote it as a shell would") from None
     with tempfile.TemporaryDirectory() as workdir:  # what each run gets: no .env in it
         for nproc in args.nproc:
             load_config(trainer_flags(nproc, args, workdir, ""), {}, world_size=nproc)  # the bench's own options

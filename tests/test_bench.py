@@ -38,8 +38,12 @@ def bench(args: list[str], cwd: Path, python_flags: tuple[str, ...] = ()) -> sub
     (["--trainer-args", "--global-batch-size 3", "--nproc", "2"], "--trainer-args: --global-batch-size"),
     (["--trainer-args", "--loader 'memory"], "--trainer-args"),
     (["--out", "a-file"], "--out"),
+    (["--trainer-args", "--max-steps 3"], "--trainer-args"),
+    (["--baseline-args=--log-dir=elsewhere"], "--baseline-args"),
+    (["--stacks", "trainer", "handwritten", "--model", "autoencoder"], "--model"),
 ], ids=["steps all untimed", "steps not a number", "unknown option", "too few rounds", "no processes",
-        "unknown baseline option", "trainer option wrong at 2 processes", "unbalanced quote", "out is a file"])
+        "unknown baseline option", "trainer option wrong at 2 processes", "unbalanced quote", "out is a file",
+        "the harness's own flag", "the harness's own flag with =", "reconstruction model for classifier stacks"])
 def test_bench_mistakes_are_one_line_errors_before_any_run(tmp_path, args, setting):
     (tmp_path / "a-file").write_text("a file\n")
     result = bench(["--stacks", "trainer", "baseline", "--nproc", "1", "--model", "cnn", *args], tmp_path)

@@ -234,7 +234,8 @@ def test_crop_and_flip_of_a_batch_is_per_sample():
 
 
 def test_synthetic_images_can_be_imagenet_shaped(tmp_path):
-    train, val, spec = build_datasets(config(tmp_path, "--synthetic-size", "20", "--synthetic-image-size", "224"),
+    train, val, spec = build_datasets(config(tmp_path, "--synthetic-size", "20", "--batch-size", "4",
+                                             "--synthetic-image-size", "224"),
                                       context())
     assert train.images.shape == (20, 3, 224, 224) and len(val) == 4
     assert spec.image_size == 224

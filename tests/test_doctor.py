@@ -53,7 +53,7 @@ def test_defaults_pass():
 
 
 def test_huge_prefetch_fails_shm():
-    checks = run_checks({"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000", "TRAIN_LOADER": "dataloader"})
+    checks = run_checks({"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000", "TRAIN_SYNTHETIC_SIZE": "200000", "TRAIN_LOADER": "dataloader"})
     shm = row(checks, "shared memory")
     assert shm.status == "fail" and "ipc: host" in shm.fix
     assert "DataLoader 64 workers x 2 procs" in shm.value
@@ -62,7 +62,7 @@ def test_huge_prefetch_fails_shm():
 def test_workers_count_only_where_they_start():
     """In-memory datasets on the auto (or memory) input path start no DataLoader worker."""
     for loader in ("auto", "memory"):
-        env = {"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000", "TRAIN_LOADER": loader,
+        env = {"TRAIN_NUM_WORKERS": "64", "TRAIN_BATCH_SIZE": "100000", "TRAIN_SYNTHETIC_SIZE": "200000", "TRAIN_LOADER": loader,
                "TRAIN_SHM_ALLREDUCE": "false"}
         shm = row(run_checks(env), "shared memory")
         assert shm.status != "fail" and "no DataLoader workers" in shm.value, (loader, shm)
@@ -149,7 +149,8 @@ def test_directories_and_workers_come_from_the_training_options(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     training = load_config(["--checkpoint-dir", str(blocker / "sub"), "--num-workers", "64",
-                            "--batch-size", "100000", "--loader", "dataloader"], {}, world_size=1)
+                            "--batch-size", "100000", "--synthetic-size", "200000", "--loader", "dataloader"],
+                           {}, world_size=1)
     checks = run_checks({}, training)
     assert row(checks, "checkpoint dir").status == "fail" and str(blocker) in row(checks, "checkpoint dir").value
     assert row(checks, "shared memory").status == "fail"

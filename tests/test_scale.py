@@ -91,7 +91,8 @@ def test_too_few_steps_is_one_line_error(tmp_path):
     (["--maxprocs", "2"], "arguments", "see `trainer-scale --help`"),
     (["--max-procs", "1", "--model", "cnn"], "arguments",
      "trainer options go after `--`: trainer-scale [options] -- --model cnn"),
-], ids=["not a number", "misspelt option", "trainer option before --"])
+    (["--max-procs", "1", "--", "--max-steps", "3"], "trainer options", "--max-steps is set by the harness"),
+], ids=["not a number", "misspelt option", "trainer option before --", "the harness's own flag"])
 def test_argument_mistakes_are_one_line_errors(tmp_path, args, setting, hint):
     assert hint in assert_usage_error(scale(args, tmp_path), setting)
 

@@ -26,6 +26,7 @@ ENV_PREFIX = "TRAIN_"
 DEFAULT_ENV_FILE = ".env"
 
 MODELS = ("resnet18", "resnet50", "cifar_resnet18", "cnn", "autoencoder")
+RECONSTRUCTION_MODELS = ("autoencoder",)  # trained to reproduce their input; the others classify
 DATASETS = ("synthetic", "cifar10", "mnist", "imagefolder")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -213,6 +214,11 @@ def _read_dotenv(path: str, named: bool) -> dict[str, str]:
     return {k: v for k, v in dotenv_values(stream=io.StringIO(text)).items() if v is not None}
 
 
+def no_step_error(batches_per_rank: int, grad_accum: int) -> UsageError:
+    return UsageError("--batch-size", f"{batches_per_rank} batches per rank make no optimizer step of {grad_accum} "
+                      "micro-batches", "lower --batch-size or --grad-accum, or use more data")
+
+
 def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
     def setting(name: str) -> str:
         return sources.get(name, flag_name(name))
@@ -226,7 +232,9 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
     for name, maximum in (("synthetic_image_size", 1024), ("collective_timeout", WEEK_S), ("seed", 2**32 - 1)):
         if getattr(cfg, name) > maximum:
-            raise UsageError(setting(name), f"{getattr(cfg, name):g} is above {maximum}", f"use {maximum} or less")
+            value = getattr(cfg, name)
+            raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
+                             f"{value} is above {maximum}", f"use {maximum} or less")
     for name in ("data_dir", "log_dir", "checkpoint_dir"):
         if not getattr(cfg, name).strip():
             raise UsageError(setting(name), "is empty", "give a directory path")
@@ -248,6 +256,12 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
                              f"x grad-accum {cfg.grad_accum}",
                              f"use a multiple of {per_step}")
         batch_size = cfg.global_batch_size // per_step
+        if "batch_size" in sources and batch_size != cfg.batch_size:
+            raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} makes {batch_size} samples per "
+                             f"process per micro-batch, and {setting('batch_size')} says {cfg.batch_size}",
+                             "give one of the two")
+    if cfg.dataset == "synthetic" and cfg.synthetic_size // world_size // batch_size < cfg.grad_accum:
+        raise no_step_error(cfg.synthetic_size // world_size // batch_size, cfg.grad_accum)
     if cfg.dataset == "imagefolder":
         train_dir = Path(cfg.data_dir) / "train"
         if not train_dir.is_dir():

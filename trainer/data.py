@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.config import TrainConfig
 from trainer.distributed import DistContext, local_main_first
-from trainer.errors import UsageError, first_line
+from trainer.errors import EchoedUsageError, UsageError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,12 @@ def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
         train, val = cls(cfg.data_dir, train=True), cls(cfg.data_dir, train=False)
     except Exception as err:  # noqa: BLE001
         reason = failure or err
-        raise UsageError("--data-dir", f"{cfg.dataset} could not be read from '{cfg.data_dir}' nor downloaded "
-                         f"({type(reason).__name__}: {first_line(reason, 120)})",
-                         "mount the dataset files at the data directory, or use --dataset synthetic") from None
+        # The node's first process tried the download and says why it failed; the others would only
+        # repeat torchvision's "not found" (with its advice to pass download=True).
+        error = UsageError if ctx.is_local_main else EchoedUsageError
+        raise error("--data-dir", f"{cfg.dataset} could not be read from '{cfg.data_dir}' nor downloaded "
+                    f"({type(reason).__name__}: {first_line(reason, 120)})",
+                    "mount the dataset files at the data directory, or use --dataset synthetic") from None
 
     def to_memory(ds) -> InMemoryImages:
         images = torch.as_tensor(ds.data)

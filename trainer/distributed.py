@@ -11,6 +11,7 @@ import datetime
 import gc
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -149,6 +150,10 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
         device = torch.device("cpu")
     if not topology.distributed:
         return DistContext(topology, "none", device)
+    if topology.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # RANK and WORLD_SIZE given by hand (a container per rank): no launcher says what is going on.
+        print(f"rank {topology.rank} of {topology.world_size}: joining the process group at {topology.master_addr}:"
+              f"{topology.master_port} (waiting up to {timeout_s:g} s for every rank)", file=sys.stderr, flush=True)
     # env:// reads these; srun, and a container given only RANK and WORLD_SIZE, leave some unset.
     os.environ.update(MASTER_ADDR=topology.master_addr, MASTER_PORT=str(topology.master_port),
                       RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank))

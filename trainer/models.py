@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainer.config import RECONSTRUCTION_MODELS
 from trainer.data import DataSpec
 
-RECONSTRUCTION_MODELS = ("autoencoder",)
 
 
 def _resnet(name: str, spec: DataSpec, cifar_stem: bool) -> nn.Module:

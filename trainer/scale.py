@@ -48,6 +48,15 @@ def check_timed_steps(steps: int) -> None:
                          f"use more than {WARMUP_STEPS_EXCLUDED}")
 
 
+def reject_harness_flags(trainer_args: list[str], owned: dict[str, str], setting: str) -> None:
+    """Trainer flags a harness sets for every run itself: given again, the user's would win and break the
+    timing (--max-steps) or hide the results from the harness (--log-dir)."""
+    for arg in trainer_args:
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            raise UsageError(setting, f"{flag} is set by the harness for every run", f"use its {owned[flag]} instead")
+
+
 def torchrun_command(nproc: int) -> list[str]:
     """torchrun on this host, run in-process by trainer.supervisor: a failed run ends in one line naming
     the rank and exits with the worker's code, instead of torchrun's traceback."""
@@ -83,6 +92,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if unknown:
         raise unrecognized(unknown)
     check_timed_steps(args.steps)
+    reject_harness_flags(trainer_args, {"--max-steps": "--steps", "--log-dir": "--out", "--checkpoint-dir": "--out"},
+                         "trainer options")
     if args.repeats < 1 or (args.max_procs is not None and args.max_procs < 1):
         raise UsageError("--repeats/--max-procs", "must be at least 1", "give a positive number")
     return args, trainer_args

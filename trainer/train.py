@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from trainer import distributed
-from trainer.config import TrainConfig, load_config
+from trainer.config import TrainConfig, load_config, no_step_error
 from trainer.distributed import DistContext
 from trainer.errors import EchoedUsageError, UsageError, exit_on_usage_error, first_line, print_error
 from trainer.supervisor import stop_host_agent
@@ -239,8 +239,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     val_batches = Batches(val_data, spec, cfg, ctx, train=False) if val_data is not None and cfg.val_every else None
     steps_per_epoch = train_batches.num_batches // cfg.grad_accum
     if steps_per_epoch == 0:
-        raise UsageError("--batch-size", f"{train_batches.num_batches} batches per rank make no optimizer step of "
-                         f"{cfg.grad_accum} micro-batches", "lower --batch-size or --grad-accum, or use more data")
+        raise no_step_error(train_batches.num_batches, cfg.grad_accum)
     micro_per_epoch = steps_per_epoch * cfg.grad_accum
     total_steps = steps_per_epoch * cfg.epochs
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
