@@ -3,6 +3,7 @@ disk while checkpointing, SIGTERM. docs/reliability.md maps each fault to its te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -222,12 +224,18 @@ def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     assert (directory / "step-00000030.pt.corrupt").stat().st_size == newest_size // 2
 
 
-def mount_tmpfs(path: Path, size: str) -> None:
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at path for the block: a disk the test can fill."""
     path.mkdir()
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def fill(directory: Path) -> None:
@@ -241,9 +249,7 @@ def fill(directory: Path) -> None:
 
 
 def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path, launches):
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, "32m")
-    try:
+    with small_disk(tmp_path / "disk", "32m") as disk:
         args = tiny_run(tmp_path, samples=9600) + ["--checkpoint-dir", str(disk / "checkpoints")]
         run = Launch(args, tmp_path, launcher_env(free_port()))
         launches.append(run)
@@ -264,15 +270,11 @@ def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path
         for path in kept:
             assert checkpoint.load(path)["global_step"] == int(path.stem[5:])
         assert not list((disk / "checkpoints").glob(".tmp-*"))
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
     """An empty file still fits on a full disk, so the start-up check also asks for free space."""
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, "2m")
-    try:
+    with small_disk(tmp_path / "disk", "2m") as disk:
         fill(disk)
         result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=64),
                                  "--log-dir", str(disk / "runs")], cwd=tmp_path, env=clean_env(),
@@ -280,14 +282,10 @@ def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
         line = assert_usage_error(result, "--log-dir")
         assert f"'{disk / 'runs'}' has 0 KiB free" in line
         assert not checkpoint.list_checkpoints(tmp_path / "checkpoints")
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_log_disk_filling_up_mid_run_costs_the_events_not_the_training(tmp_path):
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, "4m")
-    try:
+    with small_disk(tmp_path / "disk", "4m") as disk:
         args = [*tiny_run(tmp_path, samples=9600), "--log-dir", str(disk / "runs"), "--log-every", "1"]
         worker = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -299,8 +297,6 @@ def test_log_disk_filling_up_mid_run_costs_the_events_not_the_training(tmp_path)
         assert stderr.strip().splitlines()[-1].startswith("error: --log-dir: cannot write summary.json (No space ")
         assert checkpoint_steps(tmp_path / "checkpoints")[-1] == 600  # training went on to its last step
         assert not list((disk / "runs").glob(".summary.json*"))
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 # ------------------------------------------------------------------------------------ divergence
