@@ -152,3 +152,11 @@ def test_unwritable_out_is_one_line_error(tmp_path):
     (tmp_path / "locked").mkdir(mode=0o555)
     for out in ("locked", "locked/report"):
         assert_usage_error(scale(["--from-summaries", summary, "--out", out], tmp_path, unprivileged=True), "--out")
+
+
+def test_summaries_of_different_models_are_not_compared(tmp_path):
+    one = write_summary(tmp_path / "one.json", model="cnn", device="cpu")
+    two = write_summary(tmp_path / "two.json", world_size=2, model="resnet50", device="cpu")
+    line = assert_usage_error(scale(["--from-summaries", one, two, "--out", "report"], tmp_path), "--from-summaries")
+    assert "the summaries mix models (cnn, resnet50)" in line
+    assert not (tmp_path / "report").exists()

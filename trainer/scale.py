@@ -174,6 +174,15 @@ def read_summary(path: Path, setting: str = "--from-summaries") -> dict:
             "device": summary.get("device"), "summary": str(path.resolve())}
 
 
+def check_same_workload(runs: list[dict]) -> None:
+    """Speed-ups compare one model on one device kind; summaries of different runs would mix them."""
+    for field in ("model", "device"):
+        kinds = {run[field].split(":")[0] if field == "device" and run[field] else run[field] for run in runs}
+        if len(kinds) > 1:
+            raise UsageError("--from-summaries", f"the summaries mix {field}s ({', '.join(sorted(map(str, kinds)))})",
+                             "give the summaries of one workload")
+
+
 def analyse(runs: list[dict]) -> list[dict]:
     """One row per process count: median samples/s, and speed-up and efficiency against the smallest count."""
     counts = sorted({r["processes"] for r in runs})
@@ -253,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         args, trainer_args = parse_args(argv)
         if args.from_summaries:
             runs = [read_summary(p) for p in args.from_summaries]
+            check_same_workload(runs)
             prepare_out(args.out)
             write_report(runs, args.out, command, trainer_args)
             return 0
