@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -22,7 +23,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.distributed import DistContext
-from trainer.errors import UsageError, first_line
+from trainer.errors import UsageError, first_line, os_reason
 from trainer.optim import load_optimizer_state, load_scaler_state
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ NAME = re.compile(r"^step-(\d{8,})\.pt$")
 TEMP_PREFIX = ".tmp-"
 FORMAT = 1  # the "format" key of every checkpoint this trainer writes
 LOCK_NAME = ".lock"
-FULL_DISK_BYTES = 1 << 20
+FULL_DISK_BYTES = 1 << 20  # less free than this: the disk is full, for a checkpoint or a start-up check
 
 
 class CheckpointError(Exception):
@@ -86,6 +87,20 @@ def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfi
                     "approximated (%d micro-batches in)", state["epoch"], batch)
     log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
     return Position(state["epoch"], batch, state["global_step"])
+
+
+def ensure_output_dir(path: str, setting: str) -> None:
+    """Create an output directory and prove it takes a file now, not at the first checkpoint an hour in."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        free = shutil.disk_usage(path).free
+    except OSError as err:
+        raise UsageError(setting, f"'{path}' is not a writable directory ({os_reason(err)})",
+                         f"point it at a directory uid {os.getuid()} can write, e.g. a mounted volume") from None
+    if free < FULL_DISK_BYTES:  # an empty file still fits on a full disk
+        raise UsageError(setting, f"'{path}' has {free >> 10} KiB free", "free some space or use a bigger volume")
 
 
 def claim(directory: Path) -> IO[str]:
@@ -194,7 +209,7 @@ def _why_not(err: Exception) -> str:
 
 def _unreadable(path: Path, err: OSError) -> UsageError:
     # Not corruption: the file may be fine (a uid mismatch, a stale mount), so it is neither set aside nor skipped.
-    return UsageError("--checkpoint-dir", f"cannot read {path} ({err.strerror or first_line(err)})",
+    return UsageError("--checkpoint-dir", f"cannot read {path} ({os_reason(err)})",
                       f"make the checkpoints readable by uid {os.getuid()}, or move the file away")
 
 

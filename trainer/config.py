@@ -260,8 +260,9 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
             raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} makes {batch_size} samples per "
                              f"process per micro-batch, and {setting('batch_size')} says {cfg.batch_size}",
                              "give one of the two")
-    if cfg.dataset == "synthetic" and cfg.synthetic_size // world_size // batch_size < cfg.grad_accum:
-        raise no_step_error(cfg.synthetic_size // world_size // batch_size, cfg.grad_accum)
+    synthetic_batches = cfg.synthetic_size // world_size // batch_size  # per rank, as the sampler will cut them
+    if cfg.dataset == "synthetic" and synthetic_batches < cfg.grad_accum:
+        raise no_step_error(synthetic_batches, cfg.grad_accum)
     if cfg.dataset == "imagefolder":
         train_dir = Path(cfg.data_dir) / "train"
         if not train_dir.is_dir():

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from trainer.errors import UsageError, env_int
+from trainer.errors import UsageError, env_int, first_line
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -183,8 +183,7 @@ def collective_failure(err: BaseException) -> str | None:
     """One line saying how a collective or the process-group store failed; None for any other error."""
     import torch.distributed as dist
 
-    lines = str(err).strip().splitlines()
-    first = lines[0] if lines else type(err).__name__
+    first = first_line(err, limit=None)
     if not (isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and _PEER_LOST.search(first))):
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[source.cc:78] " prefix

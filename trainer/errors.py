@@ -22,10 +22,15 @@ class EchoedUsageError(UsageError):
     """Rank 0's UsageError, raised on the other ranks too so they all stop; rank 0 prints it, they do not."""
 
 
-def first_line(err: BaseException, limit: int = 160) -> str:
+def first_line(err: BaseException, limit: int | None = 160) -> str:
     """An exception's first line for a one-line message (some, like EOFError, carry no text at all)."""
     lines = str(err).strip().splitlines()
     return (lines[0] if lines else type(err).__name__)[:limit]
+
+
+def os_reason(err: OSError) -> str:
+    """Why the OS refused, without the errno and the path (the message names the path itself)."""
+    return err.strerror or first_line(err)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

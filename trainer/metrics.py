@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trainer.distributed import DistContext
-from trainer.errors import first_line
+from trainer.errors import os_reason
 
 
 def setup_logging(ctx: DistContext) -> None:
@@ -57,7 +57,7 @@ class Scalars:
 
     def _give_up(self, err: OSError) -> None:
         logging.warning("TensorBoard events can no longer be written to %s (%s): training goes on without them",
-                        self.log_dir, err.strerror or first_line(err))
+                        self.log_dir, os_reason(err))
         self.writer = None
 
 

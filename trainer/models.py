@@ -9,7 +9,6 @@ from trainer.config import RECONSTRUCTION_MODELS
 from trainer.data import DataSpec
 
 
-
 def _resnet(name: str, spec: DataSpec, cifar_stem: bool) -> nn.Module:
     import torchvision
 

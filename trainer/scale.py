@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from trainer.config import OPTIONS, flag_name, load_config
-from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
+from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line, os_reason
 from trainer.launch import visible_gpu_count
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
@@ -106,7 +106,7 @@ def prepare_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError("--out", f"cannot create {out} ({err.strerror or first_line(err)})",
+        raise UsageError("--out", f"cannot create {out} ({os_reason(err)})",
                          "give a folder you can write to") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError("--out", f"{out} is not writable", "give a folder you can write to")
@@ -177,9 +177,9 @@ def read_summary(path: Path, setting: str = "--from-summaries") -> dict:
 def check_same_workload(runs: list[dict]) -> None:
     """Speed-ups compare one model on one device kind; summaries of different runs would mix them."""
     for field in ("model", "device"):
-        kinds = {run[field].split(":")[0] if field == "device" and run[field] else run[field] for run in runs}
+        kinds = {str(run[field]).split(":")[0] for run in runs}  # a device kind: cuda:0 and cuda:1 are one
         if len(kinds) > 1:
-            raise UsageError("--from-summaries", f"the summaries mix {field}s ({', '.join(sorted(map(str, kinds)))})",
+            raise UsageError("--from-summaries", f"the summaries mix {field}s ({', '.join(sorted(kinds))})",
                              "give the summaries of one workload")
 
 

@@ -6,9 +6,7 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import signal
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,12 +15,11 @@ from typing import Any, Callable, Mapping
 from trainer import distributed
 from trainer.config import TrainConfig, load_config, no_step_error
 from trainer.distributed import DistContext
-from trainer.errors import EchoedUsageError, UsageError, exit_on_usage_error, first_line, print_error
+from trainer.errors import EchoedUsageError, UsageError, exit_on_usage_error, first_line, os_reason, print_error
 from trainer.supervisor import stop_host_agent
 
 log = logging.getLogger("trainer")
 WARMUP_STEPS_EXCLUDED = 5  # allocator, cudnn autotune and compile make the first steps slow
-MIN_FREE_BYTES = 1 << 20  # in each output directory at start-up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,20 +119,6 @@ def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
     if kind == "failed":
         raise MainRankFailed(f"rank 0 failed ({value}); its log has the details")
     return value
-
-
-def ensure_output_dir(path: str, setting: str) -> None:
-    """Create an output directory and prove it takes a file now, not at the first checkpoint an hour in."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-        free = shutil.disk_usage(path).free
-    except OSError as err:
-        raise UsageError(setting, f"'{path}' is not a writable directory ({err.strerror or first_line(err)})",
-                         f"point it at a directory uid {os.getuid()} can write, e.g. a mounted volume") from None
-    if free < MIN_FREE_BYTES:  # an empty file still fits on a full disk
-        raise UsageError(setting, f"'{path}' has {free >> 10} KiB free", "free some space or use a bigger volume")
 
 
 class GracefulStop:
@@ -251,8 +234,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     claimed = []  # rank 0's lock on the checkpoint directory, held until train() returns
 
     def prepare_outputs() -> None:
-        ensure_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
-        ensure_output_dir(cfg.log_dir, "--log-dir")
+        checkpoint.ensure_output_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+        checkpoint.ensure_output_dir(cfg.log_dir, "--log-dir")
         claimed.append(checkpoint.claim(Path(cfg.checkpoint_dir)))
 
     on_main_then_share(ctx, prepare_outputs)
@@ -405,7 +388,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         try:
             write_json_atomic(Path(cfg.log_dir) / "summary.json", summary)
         except OSError as err:
-            print_error(f"--log-dir: cannot write summary.json ({err.strerror or first_line(err)}) (free space in "
+            print_error(f"--log-dir: cannot write summary.json ({os_reason(err)}) (free space in "
                         f"{cfg.log_dir}; the checkpoints are committed)")
             return 1
         log.info("%s at step %d: %s", status, step, Path(cfg.log_dir) / "summary.json")
