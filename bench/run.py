@@ -24,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.config import RECONSTRUCTION_MODELS, load_config
+from trainer import catalog
+from trainer.config import load_config
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
 from trainer.launch import visible_gpu_count
 from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, prepare_out, reject_harness_flags,
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if value < 1:
             raise UsageError(setting, f"{value} is below 1", "give 1 or more")
     check_timed_steps(args.steps)
-    if args.model in RECONSTRUCTION_MODELS and {"handwritten", "lightning"} & set(args.stacks):
+    reconstructs = args.model in catalog.MODELS and catalog.MODELS[args.model].reconstructs
+    if reconstructs and {"handwritten", "lightning"} & set(args.stacks):
         raise UsageError("--model", f"{args.model} learns to reconstruct, and the hand-written and Lightning stacks "
                          "train classifiers", "choose a classifier, or --stacks trainer baseline")
     if "lightning" in args.stacks and importlib.util.find_spec("lightning") is None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import write_cifar10, write_image_folder, write_mnist
-from trainer.config import MODELS, load_config
+from trainer.catalog import MODELS
+from trainer.config import load_config
 from trainer.doctor import (PREFETCH_FACTOR, Check, check_same_versions, data_shape, dataloader_workers,
                             format_table, main, parameter_count, run_checks, version_fingerprint)
 

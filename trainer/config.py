@@ -20,14 +20,14 @@ from typing import Any, Mapping, Sequence
 from dotenv import dotenv_values
 from dotenv.parser import parse_stream
 
+from trainer import catalog
 from trainer.errors import OneLineErrorParser, UsageError
 
 ENV_PREFIX = "TRAIN_"
 DEFAULT_ENV_FILE = ".env"
 
-MODELS = ("resnet18", "resnet50", "cifar_resnet18", "cnn", "autoencoder")
-RECONSTRUCTION_MODELS = ("autoencoder",)  # trained to reproduce their input; the others classify
-DATASETS = ("synthetic", "cifar10", "mnist", "imagefolder")
+AUGMENTATIONS = ("auto", "imagenet", "light", "none")
+LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 WEEK_S = 7 * 24 * 3600
@@ -40,9 +40,16 @@ def option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any
 @dataclass(frozen=True)
 class TrainConfig:
     # What to train on what.
-    model: str = option("resnet18", "model architecture", MODELS)
-    dataset: str = option("synthetic", "training data; synthetic needs no files", DATASETS)
+    model: str = option("resnet18", "model: built-in (" + ", ".join(catalog.MODELS) + "), any torchvision "
+                        "classification model (--list-models), or your own as module:function")
+    dataset: str = option("synthetic", "training data: " + ", ".join(catalog.DATASETS) + " (synthetic needs no "
+                          "files), or your own as module:function")
     data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)")
+    image_size: int = option(224, "imagefolder: side of the training and validation crops in pixels "
+                             "(e.g. 32 or 64 for small images)")
+    augment: str = option("auto", "imagefolder augmentation: imagenet (random-resized crop + flip), light "
+                          "(random crop with padding + flip, for small images), none (resize + center crop); "
+                          f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS)
     synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)")
     synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)")
     # How long.
@@ -118,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"variable ({ENV_PREFIX}<OPTION>) and may stand in a .env file; flags win over the "
         "environment, the environment over .env, .env over defaults.",
     )
+    parser.add_argument("--list-models", action=_ListModels, nargs=0,
+                        help="list the models and datasets --model and --dataset take, then exit")
     parser.add_argument("--env-file", help="dotenv file read for TRAIN_* values (default: .env, if there is one; "
                         "/dev/null: none)")
     for f in OPTIONS:
@@ -130,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag_name(f.name), default=None, help=help_text,
                                 metavar="{" + ",".join(choices) + "}" if choices else None)
     return parser
+
+
+class _ListModels(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(catalog.listing())
+        parser.exit()
 
 
 def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -> Any:
@@ -223,14 +238,16 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     def setting(name: str) -> str:
         return sources.get(name, flag_name(name))
 
-    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("epochs", 1), ("max_steps", 0),
-                          ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
+    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8), ("epochs", 1),
+                          ("max_steps", 0), ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0),
+                          ("momentum", 0),
                           ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
                           ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
                           ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0)):
         if getattr(cfg, name) < minimum:
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
-    for name, maximum in (("synthetic_image_size", 1024), ("collective_timeout", WEEK_S), ("seed", 2**32 - 1)):
+    for name, maximum in (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S),
+                          ("seed", 2**32 - 1)):
         if getattr(cfg, name) > maximum:
             value = getattr(cfg, name)
             raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
@@ -238,6 +255,8 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     for name in ("data_dir", "log_dir", "checkpoint_dir"):
         if not getattr(cfg, name).strip():
             raise UsageError(setting(name), "is empty", "give a directory path")
+    catalog.check_model_name(cfg.model, setting("model"))
+    catalog.check_dataset_name(cfg.dataset, setting("dataset"))
     if cfg.dataset == "synthetic":
         need = round(cfg.synthetic_size * 1.2) * 3 * cfg.synthetic_image_size ** 2  # uint8, train + val
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -287,8 +306,9 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
         raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
                          "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
                          "which a run restarted after a failure needs")
-    if cfg.loader == "memory" and cfg.dataset == "imagefolder":
-        raise UsageError(setting("loader"), "imagefolder is read from disk, not held in memory",
+    in_memory = cfg.dataset in catalog.DATASETS and catalog.DATASETS[cfg.dataset].in_memory
+    if cfg.loader == "memory" and not in_memory:
+        raise UsageError(setting("loader"), f"{cfg.dataset} is read sample by sample, not held in memory",
                          "use --loader dataloader or auto")
     if cfg.model == "autoencoder" and cfg.channels_last:
         raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",

@@ -12,6 +12,7 @@ Input paths:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import socket
@@ -20,28 +21,19 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-from trainer.config import TrainConfig
+from trainer import catalog
+from trainer.catalog import DataSpec
+from trainer.config import LIGHT_AUGMENT_BELOW, TrainConfig
 from trainer.distributed import DistContext, local_main_first
 from trainer.errors import EchoedUsageError, UsageError, first_line
 
 log = logging.getLogger(__name__)
 
 CROP_PADDING = 4
-SYNTHETIC_CLASSES = 10
+SYNTHETIC_CLASSES = catalog.DATASETS["synthetic"].num_classes
 DOWNLOAD_STALL_TIMEOUT_S = 20  # seconds without a byte before a dataset download counts as failed
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    channels: int
-    image_size: int
-    num_classes: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    augment_on_device: bool  # random crop + flip done batched on the device (in-memory datasets)
 
 
 @dataclass
@@ -63,8 +55,14 @@ def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- datasets
 
+def builtin_spec(name: str, image_size: int, num_classes: int | None = None) -> DataSpec:
+    entry = catalog.DATASETS[name]
+    return DataSpec(entry.channels, image_size, num_classes or entry.num_classes, entry.mean, entry.std,
+                    augment_on_device=entry.crop_flip)
+
+
 def synthetic_spec(image_size: int) -> DataSpec:
-    return DataSpec(3, image_size, SYNTHETIC_CLASSES, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True)
+    return builtin_spec("synthetic", image_size)
 
 
 def make_synthetic(size: int, seed: int, image_size: int = 32) -> tuple[InMemoryImages, InMemoryImages]:
@@ -150,11 +148,37 @@ class UnreadableImage(Exception):
         return str(self).strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
 
 
+@contextlib.contextmanager
+def seeded(index: int, epoch: int, seed: int) -> Iterator[None]:
+    """torch's RNG seeded from (seed, epoch, index) for one sample's random transforms, restored afterwards
+    (with --num-workers 0 it is the training process's RNG)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, seed)))
+        yield
+
+
+def image_transforms(train: bool, image_size: int, augment: str):
+    """The torchvision transforms of an image folder, PIL image -> uint8 tensor."""
+    from torchvision import transforms
+
+    if augment == "auto":
+        augment = "imagenet" if image_size >= LIGHT_AUGMENT_BELOW else "light"
+    if augment == "imagenet":
+        steps = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
+            transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
+    else:  # light and none keep the whole image, resized to the side
+        steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+        if train and augment == "light":  # the CIFAR recipe: padding of 1/8 of the side (4 at 32 px)
+            steps += [transforms.RandomCrop(image_size, padding=max(1, image_size // 8)),
+                      transforms.RandomHorizontalFlip()]
+    return transforms.Compose(steps + [transforms.PILToTensor()])
+
+
 class _ImageFolderWithKeys(Dataset):
     """ImageFolder whose random transforms are seeded per (seed, epoch, index)."""
 
-    def __init__(self, root: Path, train: bool, image_size: int, seed: int):
-        from torchvision import datasets, transforms
+    def __init__(self, root: Path, train: bool, image_size: int, augment: str, seed: int):
+        from torchvision import datasets
 
         try:
             self.folder = datasets.ImageFolder(str(root))
@@ -162,9 +186,7 @@ class _ImageFolderWithKeys(Dataset):
             raise UsageError("--data-dir", f"{root}: {first_line(err, 200)}",
                              f"put images in {root}/<class>/ (.jpg, .png, ...) readable by this user") from None
         self.seed = seed
-        resize = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
-            transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
-        self.transform = transforms.Compose(resize + [transforms.PILToTensor()])
+        self.transform = image_transforms(train, image_size, augment)
 
     def __len__(self) -> int:
         return len(self.folder)
@@ -179,9 +201,24 @@ class _ImageFolderWithKeys(Dataset):
 
             reason = "not an image PIL can decode" if isinstance(err, UnidentifiedImageError) else first_line(err)
             raise UnreadableImage(f"{path} ({reason})") from None
-        with torch.random.fork_rng(devices=[]):  # with --num-workers 0 this is the training process's RNG
-            torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, self.seed)))
+        with seeded(index, epoch, self.seed):
             return self.transform(image), label
+
+
+class _UserDataset(Dataset):
+    """A user's map-style dataset, keyed like the built-in ones: its random transforms (torch's RNG) are
+    seeded per (seed, epoch, index), so a resumed run sees the very samples the uninterrupted one would."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        with seeded(index, epoch, self.seed):
+            return self.dataset[index]
 
 
 class _MemoryAsDataset(Dataset):
@@ -200,18 +237,18 @@ class _MemoryAsDataset(Dataset):
 
 def build_datasets(cfg: TrainConfig, ctx: DistContext):
     """(train, val, spec); train and val are InMemoryImages or map-style datasets (val may be None)."""
+    if catalog.is_import_path(cfg.dataset):
+        return user_datasets(cfg)
     if cfg.dataset == "synthetic":
         train, val = make_synthetic(cfg.synthetic_size, cfg.seed, cfg.synthetic_image_size)
         return train, val, synthetic_spec(cfg.synthetic_image_size)
-    if cfg.dataset == "cifar10":
+    if cfg.dataset in ("cifar10", "mnist"):
         train, val = _torchvision_dataset(cfg, ctx)
-        return train, val, DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True)
-    if cfg.dataset == "mnist":
-        train, val = _torchvision_dataset(cfg, ctx)
-        return train, val, DataSpec(1, 28, 10, (0.1307,), (0.3081,), False)
+        return train, val, builtin_spec(cfg.dataset, catalog.DATASETS[cfg.dataset].image_size)
     root = Path(cfg.data_dir)
-    train = _ImageFolderWithKeys(root / "train", True, 224, cfg.seed)
-    val = _ImageFolderWithKeys(root / "val", False, 224, cfg.seed) if (root / "val").is_dir() else None
+    train = _ImageFolderWithKeys(root / "train", True, cfg.image_size, cfg.augment, cfg.seed)
+    val = _ImageFolderWithKeys(root / "val", False, cfg.image_size, cfg.augment, cfg.seed) \
+        if (root / "val").is_dir() else None
     if val is None:
         log.warning("no val/ folder under %s: validation is skipped", root)
     elif val.folder.classes != train.folder.classes:  # labels are class indices: any difference mislabels val
@@ -219,7 +256,62 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
         raise UsageError("--data-dir", f"train/ and val/ under {root} have different class folders "
                          f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} in only one of them)",
                          "give val/ the same class folders as train/")
-    return train, val, DataSpec(3, 224, len(train.folder.classes), IMAGENET_MEAN, IMAGENET_STD, False)
+    return train, val, builtin_spec("imagefolder", cfg.image_size, len(train.folder.classes))
+
+
+def user_datasets(cfg: TrainConfig):
+    """The user's dataset factory's (train, val, spec), checked where a mistake would otherwise surface
+    steps later, or on one rank only, as a shape error deep inside the model."""
+    path, setting = cfg.dataset, "--dataset"
+    result = catalog.call_factory(path, setting, cfg)
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        raise UsageError(setting, f"{path} returned {type(result).__name__}"
+                         f"{f' of {len(result)} items' if isinstance(result, (tuple, list)) else ''}, "
+                         "not (train, val, spec)", "return train and validation datasets (val may be None) and "
+                         "a trainer.DataSpec")
+    train, val, spec = result[0], result[1], catalog.data_spec(result[2], path, setting)
+    for split, data in (("training", train), ("validation", val)):
+        if data is None and split == "validation":
+            continue
+        if isinstance(data, IterableDataset):
+            raise UsageError(setting, f"{path} returned an IterableDataset as its {split} data; the trainer shards "
+                             "map-style datasets by index, which is what makes resume exact",
+                             "return a Dataset with __len__ and __getitem__, or write your own loop "
+                             "(trainer-launch your_script.py)")
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise UsageError(setting, f"{path} returned a {type(data).__name__} as its {split} data, not a "
+                             "map-style dataset", "return a torch.utils.data.Dataset (__len__ and __getitem__)")
+        if len(data) == 0:
+            raise UsageError(setting, f"{path} returned an empty {split} dataset", "give it samples")
+        _check_sample(data, spec, path, split)
+    if val is None:
+        log.warning("%s returned no validation data: validation is skipped", path)
+    return (_UserDataset(train, cfg.seed), _UserDataset(val, cfg.seed) if val is not None else None, spec)
+
+
+def _check_sample(data, spec: DataSpec, path: str, split: str) -> None:
+    """The first sample against what the spec says: (input tensor of its shape, target of its classes)."""
+    try:
+        sample = data[0]
+    except Exception as err:  # noqa: BLE001 (the user's __getitem__)
+        raise catalog.user_code_error("--dataset", path, err, f"reading {split} sample 0") from None
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise UsageError("--dataset", f"{path}'s {split} samples are {type(sample).__name__}, not (input, target)",
+                         "return (input, target) pairs from __getitem__")
+    inputs, target = sample
+    if not isinstance(inputs, torch.Tensor):
+        raise UsageError("--dataset", f"{path}'s {split} inputs are {type(inputs).__name__}, not tensors",
+                         "convert them in the dataset (torchvision: transforms.PILToTensor or ToTensor)")
+    if spec.sample_shape and tuple(inputs.shape) != spec.sample_shape:
+        raise UsageError("--dataset", f"{path}'s {split} inputs have shape {tuple(inputs.shape)} but its spec "
+                         f"describes {spec.sample_shape}", "make the DataSpec (channels, image_size or "
+                         "input_shape) say what the data is")
+    labels = torch.as_tensor(target)
+    if spec.num_classes and not labels.is_floating_point() and labels.numel() and \
+            not 0 <= int(labels.min()) <= int(labels.max()) < spec.num_classes:
+        shown = str(labels.tolist())[:40]
+        raise UsageError("--dataset", f"{path}'s {split} target {shown} is outside the {spec.num_classes} classes "
+                         "its spec describes", "make num_classes cover every target (classes are 0 .. num_classes-1)")
 
 
 # ---------------------------------------------------------------------------------------- batches
@@ -259,9 +351,12 @@ class Batches:
                 sampler=self.order, num_workers=workers, pin_memory=self.device.type == "cuda",
                 # Validation's workers live only while it runs: between them they would hold memory for nothing.
                 persistent_workers=train and workers > 0, drop_last=train, prefetch_factor=4 if workers else None)
-        mean = torch.tensor(spec.mean, device=self.device).view(1, -1, 1, 1)
-        std = torch.tensor(spec.std, device=self.device).view(1, -1, 1, 1)
+        # uint8 images are scaled to [0, 1] and normalised (where the spec gives mean and std), in
+        # --channels-last layout on request; other inputs (floats, token ids) reach the model as they are.
+        mean = torch.tensor(spec.mean or (0.0,), device=self.device).view(1, -1, 1, 1)
+        std = torch.tensor(spec.std or (1.0,), device=self.device).view(1, -1, 1, 1)
         self.scale, self.shift = 1 / (255 * std), mean / std
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         shard = self._shard(0)
         self.num_batches = len(shard) // self.batch_size if train else -(-len(shard) // self.batch_size)
 
@@ -295,11 +390,13 @@ class Batches:
         except UnreadableImage as err:
             raise UsageError("--data-dir", f"cannot read the image {err.what}", "remove or replace the file") from None
 
-    def _prepare(self, images: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
-        x = images.float().mul_(self.scale).sub_(self.shift)
+    def _prepare(self, inputs: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
+        if inputs.dtype != torch.uint8 or inputs.ndim != 4:  # not a batch of uint8 images
+            return inputs, labels
+        x = inputs.float().mul_(self.scale).sub_(self.shift)
         if self.train and self.spec.augment_on_device:
             x = random_crop_flip(x, sample_keys(idx, epoch, self.seed))
-        return x, labels
+        return x.contiguous(memory_format=self.memory_format), labels
 
 
 def random_crop_flip(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, TypeVar
 
 from trainer.errors import UsageError, env_int, first_line
 
 DEFAULT_MASTER_PORT = 29500
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,26 @@ def broadcast_from_main(ctx: DistContext, obj):
     box = [obj if ctx.is_main else None]
     dist.broadcast_object_list(box, src=0, group=ctx.control_group)
     return box[0]
+
+
+def all_or_none(ctx: DistContext, fn: Callable[[], T]) -> T:
+    """Every rank runs fn. If it fails with a UsageError on any rank (a user's factory that raises, data
+    that do not fit the model), every rank stops with that error, printed once by the first rank that
+    failed, instead of the others going on into a collective that never completes."""
+    from trainer.errors import EchoedUsageError
+
+    error = None
+    try:
+        result = fn()
+    except UsageError as err:
+        error = err
+    failures = all_gather_objects(ctx, None if error is None else error.parts)
+    first = next((rank for rank, parts in enumerate(failures) if parts is not None), None)
+    if first is None:
+        return result
+    if first == ctx.rank:
+        raise error
+    raise EchoedUsageError(*failures[first])
 
 
 def all_gather_objects(ctx: DistContext, obj) -> list:

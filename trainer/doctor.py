@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from trainer import catalog
 from trainer.config import TrainConfig, build_parser, load_config
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 from trainer.launch import LaunchPlan, plan_from_env, visible_gpu_count
@@ -53,57 +54,75 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-# What the shared-memory need depends on, read off the training options: trainer/data.py and
-# trainer/models.py import torch (seconds), which the doctor avoids on hosts without GPUs.
+# What the shared-memory need depends on, read off the training options and the catalogue (torch-free:
+# trainer/data.py and trainer/models.py import torch, seconds the doctor avoids on hosts without GPUs).
 # tests/test_doctor.py pins these against the datasets and models those modules build.
-IN_MEMORY_DATASETS = ("synthetic", "cifar10", "mnist")  # one tensor per process: no DataLoader workers
 PREFETCH_FACTOR = 4  # batches in flight per DataLoader worker (data.Batches)
-# torchvision's ResNets: (parameters besides the stem convolution and the classifier, classifier inputs)
-RESNET_BODIES = {"resnet18": (11_167_104, 512), "resnet50": (23_498_624, 2048)}
 
 
-def data_shape(training: TrainConfig) -> tuple[int, int, int]:
-    """(channels, image side, classes) of the uint8 training images."""
-    if training.dataset == "imagefolder":  # ImageFolder's classes are the folders in train/; crops are 224 wide
+def data_shape(training: TrainConfig) -> tuple[int, int, int] | None:
+    """(channels, image side, classes) of the uint8 training images; None for a user's dataset (known only
+    once its factory runs, in the workers)."""
+    entry = catalog.DATASETS.get(training.dataset)
+    if entry is None:
+        return None
+    side = catalog.dataset_image_size(training.dataset, training.synthetic_image_size, training.image_size)
+    classes = entry.num_classes
+    if classes is None:  # ImageFolder's classes are the folders in train/
         with os.scandir(Path(training.data_dir) / "train") as entries:
-            return 3, 224, sum(entry.is_dir() for entry in entries)
-    return {"synthetic": (3, training.synthetic_image_size, 10), "cifar10": (3, 32, 10),
-            "mnist": (1, 28, 10)}[training.dataset]
+            classes = sum(entry.is_dir() for entry in entries)
+    return entry.channels, side, classes
 
 
 def dataloader_workers(training: TrainConfig) -> int:
     """Worker processes per training process: only the dataloader input path starts any."""
-    dataloader = training.loader == "dataloader" or (
-        training.loader == "auto" and training.dataset not in IN_MEMORY_DATASETS)
+    entry = catalog.DATASETS.get(training.dataset)
+    in_memory = entry is not None and entry.in_memory
+    dataloader = training.loader == "dataloader" or (training.loader == "auto" and not in_memory)
     return training.num_workers if dataloader else 0
 
 
-def parameter_count(model: str, channels: int, side: int, classes: int) -> int:
-    """Parameters of trainer.models.build_model for this data."""
-    if model == "cnn":  # three 3x3 convolutions with biases, then the classifier
-        widths = (channels, 32, 64, 128)
-        return sum(9 * a * b + b for a, b in zip(widths, widths[1:])) + (widths[-1] + 1) * classes
-    if model == "autoencoder":  # features -> 256 -> 32 -> 256 -> features, all linear with biases
-        features = channels * side * side
-        return (256 + 1) * features + 256 + (256 + 1) * 32 + (32 + 1) * 256 + 256 * features
-    body, width = RESNET_BODIES[model.removeprefix("cifar_")]
-    stem_kernel = 3 if model.startswith("cifar_") else 7
-    return body + 64 * channels * stem_kernel ** 2 + (width + 1) * classes
+def parameter_count(model: str, channels: int, side: int, classes: int) -> int | None:
+    """Parameters of trainer.models.build_model for this data: the catalogue's formula for a built-in model,
+    torchvision's model built on the meta device (no memory, no weights) for one of its names, None for a
+    user's model (the doctor runs no user code)."""
+    if model in catalog.MODELS:
+        return catalog.MODELS[model].parameters(channels, side, classes)
+    if catalog.is_import_path(model):
+        return None
+    import torch
+
+    from trainer.models import build_model
+
+    try:
+        with torch.device("meta"):
+            built = build_model(model, catalog.DataSpec(channels, side, classes))
+    except Exception:  # noqa: BLE001 (the workers build it for real and say what is wrong)
+        return None
+    return sum(p.numel() for p in built.parameters() if p.requires_grad)
 
 
 def shm_uses(training: TrainConfig, plan: LaunchPlan, gpus: int) -> tuple[int, int, list[str]]:
     """Bytes of /dev/shm the DataLoader workers and the gradient all-reduce need, and what they are."""
-    channels, side, classes = data_shape(training)
+    shape = data_shape(training)
     procs, uses = plan.nproc_per_node, []
     workers = dataloader_workers(training)
-    loader = workers * training.batch_size * channels * side * side * PREFETCH_FACTOR * procs
-    if workers:
+    loader = 0
+    if workers and shape is None:
+        uses.append(f"DataLoader {workers} workers x {procs} procs (sample size of {training.dataset} unknown)")
+    elif workers:
+        channels, side, _ = shape
+        loader = workers * training.batch_size * channels * side * side * PREFETCH_FACTOR * procs
         uses.append(f"DataLoader {workers} workers x {procs} procs, {_size(loader)}")
     allreduce = 0
     if training.shm_allreduce and gpus == 0 and training.backend != "nccl" and plan.nnodes == 1:
-        gradients = 4 * parameter_count(training.model, channels, side, classes)  # float32
-        allreduce = 2 * procs * gradients  # every process's buckets, twice while DDP rebuilds them
-        uses.append(f"all-reduce 2 x {procs} procs x {_size(gradients)} of gradients, {_size(allreduce)}")
+        parameters = parameter_count(training.model, *shape) if shape is not None else None
+        if parameters is None:
+            uses.append("all-reduce of gradients (size unknown until the model is built)")
+        else:
+            gradients = 4 * parameters  # float32
+            allreduce = 2 * procs * gradients  # every process's buckets, twice while DDP rebuilds them
+            uses.append(f"all-reduce 2 x {procs} procs x {_size(gradients)} of gradients, {_size(allreduce)}")
     return loader, allreduce, uses
 
 

@@ -18,6 +18,15 @@ class UsageError(Exception):
         self.parts = (setting, problem, fix)
 
 
+class UserCodeError(UsageError):
+    """A UsageError caused by an exception in the user's own code (a model or dataset factory): its
+    traceback is printed before the one line, since that is where the user must look."""
+
+    def __init__(self, setting: str, problem: str, fix: str, user_traceback: str):
+        super().__init__(setting, problem, fix)
+        self.user_traceback = user_traceback
+
+
 class EchoedUsageError(UsageError):
     """Rank 0's UsageError, raised on the other ranks too so they all stop; rank 0 prints it, they do not."""
 
@@ -54,6 +63,8 @@ def exit_on_usage_error():
         yield
     except UsageError as err:
         if not isinstance(err, EchoedUsageError):
+            if isinstance(err, UserCodeError):
+                sys.stderr.write(err.user_traceback)
             print_error(str(err))
         raise SystemExit(USAGE_EXIT_CODE) from None
 

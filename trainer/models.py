@@ -1,12 +1,13 @@
-"""Model zoo and the loss that goes with each model's task."""
+"""Models by name (built-in, torchvision, or the user's factory) and the loss that goes with each."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from trainer.config import RECONSTRUCTION_MODELS
-from trainer.data import DataSpec
+from trainer import catalog
+from trainer.catalog import DataSpec
+from trainer.errors import UsageError, first_line
 
 
 def _resnet(name: str, spec: DataSpec, cifar_stem: bool) -> nn.Module:
@@ -54,23 +55,103 @@ class AutoEncoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.encoder(x)).view(-1, *self.shape)
 
+    def compute_loss(self, output: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output.float(), inputs.float(), reduction="none").flatten(1).mean(1)
+
+
+def _adapt_input_channels(model: nn.Module, channels: int) -> None:
+    """Replace the first convolution (the one that reads the RGB image) by one reading `channels`."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d) and child.groups == 1:
+                setattr(parent, child_name, nn.Conv2d(
+                    channels, child.out_channels, child.kernel_size, child.stride, child.padding, child.dilation,
+                    bias=child.bias is not None, padding_mode=child.padding_mode))
+                return
+
+
+def _torchvision(name: str, spec: DataSpec) -> nn.Module:
+    import torchvision
+
+    kwargs = {"weights": None, "num_classes": spec.num_classes}
+    if name.startswith("vit_"):  # the position embedding is sized for one image side
+        kwargs["image_size"] = spec.image_size
+    if name in ("googlenet", "inception_v3"):  # auxiliary heads return tuples in training
+        kwargs.update(aux_logits=False, init_weights=True)
+
+    def build() -> nn.Module:
+        model = torchvision.models.get_model(name, **kwargs)
+        if spec.channels != 3:
+            _adapt_input_channels(model, spec.channels)
+        return model
+
+    try:
+        with torch.device("meta"):
+            probe = build()
+    except Exception:  # noqa: BLE001 (a few, the RegNets, cannot be built there; their first step will tell)
+        probe = None
+    if probe is not None:
+        # Inputs too small for a model fail only at its first forward, deep inside it: a forward on the
+        # meta device (no memory, no arithmetic) tells now, in one line.
+        try:
+            with torch.device("meta"):
+                probe.eval()(torch.empty(1, spec.channels, spec.image_size, spec.image_size))
+        except Exception as err:  # noqa: BLE001
+            raise UsageError("--model", f"torchvision's {name} cannot take {spec.channels}x{spec.image_size}x"
+                             f"{spec.image_size} inputs ({first_line(err, 120)})",
+                             "choose a model for images of this size, e.g. cifar_resnet18 for 32x32, or "
+                             "a larger --image-size") from None
+    try:
+        return build()
+    except (ValueError, TypeError, RuntimeError, AssertionError) as err:
+        raise UsageError("--model", f"torchvision's {name} cannot be built for this data ({first_line(err, 120)})",
+                         "choose another model, or another --image-size") from None
+
 
 def build_model(name: str, spec: DataSpec) -> nn.Module:
+    """The model `--model` names, for data described by `spec`."""
     if name in ("resnet18", "resnet50"):
         return _resnet(name, spec, cifar_stem=False)
     if name == "cifar_resnet18":
         return _resnet("resnet18", spec, cifar_stem=True)
     if name == "cnn":
         return SmallCNN(spec)
-    return AutoEncoder(spec)
+    if name == "autoencoder":
+        return AutoEncoder(spec)
+    if not catalog.is_import_path(name):
+        return _torchvision(name, spec)
+    model = catalog.call_factory(name, "--model", spec)
+    if not isinstance(model, nn.Module):
+        raise UsageError("--model", f"{name} returned {type(model).__name__}, not a torch.nn.Module",
+                         "return the model (an nn.Module) from the factory")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError("--model", f"{name} returned a model without trainable parameters",
+                         "return a model with parameters that require gradients")
+    return model
 
 
-def is_reconstruction(name: str) -> bool:
-    return name in RECONSTRUCTION_MODELS
+class Objective:
+    """The loss of a model on its data, one value per sample (float32 even under autocast): the mean
+    trains, the sum validates. A model's own `compute_loss(output, inputs, targets)` wins (per-sample
+    losses or their mean); otherwise cross-entropy on logits whose last dimension is the class."""
 
+    def __init__(self, model: nn.Module, name: str):
+        self.name = name
+        self.custom = getattr(model, "compute_loss", None)
 
-def per_sample_loss(model_name: str, output: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One loss per sample (float32 even under autocast): the mean trains, the sum validates."""
-    if is_reconstruction(model_name):
-        return nn.functional.mse_loss(output.float(), inputs, reduction="none").flatten(1).mean(1)
-    return nn.functional.cross_entropy(output.float(), labels, reduction="none")
+    @staticmethod
+    def classifies(output: torch.Tensor, targets: torch.Tensor) -> bool:
+        """Class logits for integer targets: [N, C] for [N] (or [N, T, C] for [N, T], e.g. next tokens)."""
+        return not targets.is_floating_point() and tuple(output.shape[:-1]) == tuple(targets.shape)
+
+    def per_sample(self, output: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        n = len(inputs)
+        if self.custom is not None:
+            loss = self.custom(output, inputs, targets).float()
+            return loss.expand(n) if loss.ndim == 0 else loss.reshape(n, -1).mean(1)
+        if not self.classifies(output, targets):
+            raise UsageError("--model", f"{self.name}'s output of shape {tuple(output.shape)} is no class logits for "
+                             f"targets of shape {tuple(targets.shape)}",
+                             "give the model a compute_loss(output, inputs, targets) method for its task")
+        losses = nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten(), reduction="none")
+        return losses.view(n, -1).mean(1)

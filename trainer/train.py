@@ -167,30 +167,29 @@ def precision_on(device, cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def evaluate(model, batches, cfg: TrainConfig, ctx: DistContext, autocast: Callable) -> dict[str, float]:
-    """Validation metrics over every rank's shard (a collective)."""
+def evaluate(model, batches, ctx: DistContext, autocast: Callable, objective) -> dict[str, float]:
+    """Validation metrics over every rank's shard (a collective); accuracy where the outputs are class logits."""
     import torch
 
-    from trainer.models import is_reconstruction, per_sample_loss
-
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, count
+    sums = torch.zeros(5, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, samples, predictions
+    classifies = False
     with torch.no_grad(), autocast():
-        for inputs, labels in batches.epoch(0):
-            inputs = inputs.contiguous(memory_format=memory_format)
+        for inputs, targets in batches.epoch(0):
             output = model(inputs)
-            sums[0] += per_sample_loss(cfg.model, output, inputs, labels).sum()
-            if not is_reconstruction(cfg.model):
-                top5 = output.topk(min(5, output.shape[1]), dim=1).indices == labels[:, None]
-                sums[1] += top5[:, 0].sum()
-                sums[2] += top5.any(dim=1).sum()
-            sums[3] += len(labels)
+            sums[0] += objective.per_sample(output, inputs, targets).sum()
+            sums[3] += len(inputs)
+            if objective.classifies(output, targets):
+                classifies = True
+                top5 = output.topk(min(5, output.shape[-1]), dim=-1).indices == targets[..., None]
+                sums[1] += top5[..., 0].sum()
+                sums[2] += top5.any(dim=-1).sum()
+                sums[4] += targets.numel()
     model.train()
-    loss, correct1, correct5, count = distributed.all_reduce_sum(ctx, sums).tolist()
-    metrics = {"Loss/val": loss / count}
-    if not is_reconstruction(cfg.model):
-        metrics.update({"acc1/val": correct1 / count, "acc5/val": correct5 / count})
+    loss, correct1, correct5, samples, predictions = distributed.all_reduce_sum(ctx, sums).tolist()
+    metrics = {"Loss/val": loss / samples}
+    if classifies:  # the same on every rank: each saw batches of the same model and data
+        metrics.update({"acc1/val": correct1 / predictions, "acc5/val": correct5 / predictions})
     return metrics
 
 
@@ -201,7 +200,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     from trainer import checkpoint
     from trainer.data import Batches, build_datasets
     from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
-    from trainer.models import build_model, per_sample_loss
+    from trainer.models import Objective, build_model
     from trainer.optim import build_optimizer, build_scheduler
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -217,7 +216,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     found = on_main_then_share(ctx, lambda: checkpoint.load_for_resume(Path(cfg.checkpoint_dir), cfg.resume))
     if found is not None:
         check_same_workload(cfg, *found)
-    train_data, val_data, spec = build_datasets(cfg, ctx)
+    train_data, val_data, spec = distributed.all_or_none(ctx, lambda: build_datasets(cfg, ctx))
     train_batches = Batches(train_data, spec, cfg, ctx, train=True)
     val_batches = Batches(val_data, spec, cfg, ctx, train=False) if val_data is not None and cfg.val_every else None
     steps_per_epoch = train_batches.num_batches // cfg.grad_accum
@@ -231,6 +230,9 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         log.info("nothing to do: %s is at step %d of %d (raise --epochs or --max-steps to train on)",
                  found[1], found[0]["global_step"], total_steps)
         return 0
+    # Built before anything is written: a factory that fails leaves no output directories behind.
+    model = distributed.all_or_none(ctx, lambda: build_model(cfg.model, spec))
+    objective = Objective(model, cfg.model)
     claimed = []  # rank 0's lock on the checkpoint directory, held until train() returns
 
     def prepare_outputs() -> None:
@@ -240,7 +242,6 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
 
     on_main_then_share(ctx, prepare_outputs)
 
-    model = build_model(cfg.model, spec)
     if cfg.sync_bn and ctx.distributed:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(ctx.device, memory_format=memory_format)
@@ -316,8 +317,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             skip_sync = ddp_model.no_sync() if ctx.distributed and not boundary else contextlib.nullcontext()
             with skip_sync:
                 with autocast():
-                    inputs = inputs.contiguous(memory_format=memory_format)
-                    loss = per_sample_loss(cfg.model, forward(inputs), inputs, labels).mean()
+                    loss = objective.per_sample(forward(inputs), inputs, labels).mean()
                 parts.scaler.scale(loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
             loss_count += 1
@@ -352,7 +352,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
                     with throughput.paused():
                         if local_sgd:
                             local_sgd.synchronise()
-                        val_metrics = evaluate(model, val_batches, cfg, ctx, autocast)
+                        val_metrics = evaluate(model, val_batches, ctx, autocast, objective)
                     scalars.add(step, **val_metrics)
                     log.info("epoch %d validation: %s", epoch,
                              ", ".join(f"{k} {v:.4f}" for k, v in val_metrics.items()))
