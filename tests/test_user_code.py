@@ -141,6 +141,17 @@ def test_list_models_shows_builtins_and_every_torchvision_classifier(tmp_path):
     assert {"vit_b_16", "efficientnet_b0", "convnext_tiny", "mobilenet_v3_small", "regnet_y_400mf"} <= listed
 
 
+def test_every_built_in_model_of_the_catalogue_has_a_builder_and_says_its_task():
+    from trainer.catalog import MODELS
+    from trainer.models import BUILT_IN, Objective
+
+    assert set(BUILT_IN) == set(MODELS)
+    for name, entry in MODELS.items():
+        model = build_model(name, DataSpec(channels=1, image_size=28, num_classes=10))
+        output = model(torch.zeros(2, 1, 28, 28))
+        assert Objective.classifies(output, torch.zeros(2, dtype=torch.long)) != entry.reconstructs, name
+
+
 # One of each torchvision family: the classifier must be sized to the data and the first convolution
 # must read its channels (here 1, as MNIST's). Built on the meta device (no memory) where they can be.
 FAMILIES = ["alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "googlenet",

@@ -7,7 +7,7 @@ the batches the uninterrupted run would have seen.
 Input paths:
 - memory: datasets that fit in memory (synthetic, CIFAR-10, MNIST) are one uint8 tensor, on the GPU
   when there is one; a batch is one indexing op plus batched crop/flip, with no per-sample Python.
-- dataloader: worker processes decode and collate per sample (ImageFolder, or on request).
+- dataloader: worker processes decode and collate per sample (ImageFolder, users' datasets, or on request).
 """
 
 from __future__ import annotations
