@@ -135,6 +135,8 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
     with tempfile.TemporaryDirectory(prefix=f"bench-{stack}-") as tmp:
         workdir = Path(tmp)
         workdir.chmod(0o777)  # the container's non-root user writes its results here
+        if stack == "container":  # compose's mounts on host folders: no named volumes left behind per run
+            env.update(DATA_DIR=str(workdir), CHECKPOINT_DIR=str(workdir), RUNS_DIR=str(workdir))
         command = stack_command(stack, nproc, args, workdir)
         done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
                                                timeout=1800)

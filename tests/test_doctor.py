@@ -319,3 +319,19 @@ def test_shm_facts_are_those_of_the_data_and_models_the_trainer_builds(tmp_path,
             built = build_model(model, spec)
         gradient_bytes = sum(p.numel() * p.element_size() for p in built.parameters() if p.requires_grad)
         assert 4 * parameter_count(model, channels, side, classes) == gradient_bytes, model
+
+
+def test_a_limited_memlock_passes_without_gpus(tmp_path):
+    # gloo (and NCCL without InfiniBand/RoCE) locks no memory: the cpu profile sets no memlock limit and
+    # rootless engines cannot raise it, so a finite limit (here 1 MiB) is no warning on a CPU host.
+    import resource
+
+    def lower_memlock():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+
+    out = subprocess.run([sys.executable, "-m", "trainer.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
+                          "--log-dir", str(tmp_path / "r"), "--env-file", os.devnull],
+                         capture_output=True, text=True, cwd=tmp_path, preexec_fn=lower_memlock, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS})
+    (memlock,) = [c for c in json.loads(out.stdout)["checks"] if c["name"] == "ulimit memlock"]
+    assert memlock["status"] == "pass" and memlock["value"].startswith("1.0 MiB (enough: gloo"), memlock

@@ -151,3 +151,19 @@ def test_local_sgd_trains_differently_but_still_learns(local_sgd_run, tmp_path):
     local, every_step = read_summary(local_sgd_run / "runs"), read_summary(tmp_path / "runs")
     assert max_param_difference(final_params(local_sgd_run / "checkpoints"), final_params(tmp_path / "checkpoints")) > 1e-4
     assert local["val_acc1"] > 0.5 and every_step["val_acc1"] > 0.5  # chance is 0.1
+
+
+@pytest.mark.parametrize("total_steps, warmup", [(64, 3), (128, 6), (10_000, 500)])
+def test_default_warmup_is_five_percent_of_the_run_and_an_explicit_one_is_kept(total_steps, warmup):
+    # The CPU demo at 4 processes has half the steps of 2 processes: a fixed 50-step warm-up was most of it.
+    for cfg, expected in ((TrainConfig(lr=0.05), warmup), (TrainConfig(lr=0.05, warmup_steps=50), 50),
+                          (TrainConfig(lr=0.05, warmup_steps=0), 0)):
+        optimizer = build_optimizer(cfg, build_model("cnn", SPEC))
+        schedule = build_scheduler(cfg, optimizer, total_steps)
+        rates = []
+        for _ in range(min(total_steps, expected + 2)):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        peak = rates.index(max(rates))
+        assert peak == max(expected - 1, 0) and rates[peak] == pytest.approx(0.05), (cfg.warmup_steps, rates)

@@ -64,7 +64,8 @@ class TrainConfig:
     momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
     weight_decay: float = option(5e-4, "weight decay (not applied to norms and biases)")
     lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"))
-    warmup_steps: int = option(50, "linear warm-up steps")
+    warmup_steps: int = option(-1, "linear warm-up steps (-1: 5% of the run's optimizer steps, so that a "
+                               "short run or a larger world size is not mostly warm-up)")
     # Speed.
     amp: str = option("off", "mixed precision: bf16 (CUDA and CPUs), fp16 (CUDA, with a loss scaler)",
                      ("off", "bf16", "fp16"))
@@ -130,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env-file", help="dotenv file read for TRAIN_* values (default: .env, if there is one; "
                         "/dev/null: none)")
     for f in OPTIONS:
-        help_text = f"{f.metadata['help']} [env {env_name(f.name)}; default {f.default}]"
+        # In a container the compose file sets its profile's values (the cpu profile: cnn, 2 epochs):
+        # --help shows what this run would use, beside the trainer's own default.
+        here = os.environ.get(env_name(f.name))
+        help_text = (f"{f.metadata['help']} [env {env_name(f.name)}{'=' + here + ' here' if here else ''}; "
+                     f"default {f.default}]").replace("%", "%%")  # argparse formats help with %
         if f.type == "bool":
             parser.add_argument(flag_name(f.name), nargs="?", const="true", default=None,
                                 metavar="BOOL", help=help_text)
@@ -240,9 +245,8 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
 
     for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8), ("epochs", 1),
                           ("max_steps", 0), ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0),
-                          ("momentum", 0),
-                          ("weight_decay", 0), ("warmup_steps", 0), ("num_workers", 0), ("val_every", 0),
-                          ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
+                          ("momentum", 0), ("weight_decay", 0), ("warmup_steps", -1), ("num_workers", 0),
+                          ("val_every", 0), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
                           ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0)):
         if getattr(cfg, name) < minimum:
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")

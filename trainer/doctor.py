@@ -142,16 +142,31 @@ def check_shm(training: TrainConfig, plan: LaunchPlan, gpus: int) -> Check:
                   + ("; ".join(uses) or "no DataLoader workers, no shared-memory all-reduce"), SHM_FIX)
 
 
-def check_ulimits() -> list[Check]:
+RDMA_DEVICES = "/sys/class/infiniband"  # InfiniBand and RoCE adapters, the transports that lock memory
+
+
+def check_ulimits(gpus: int, env: Mapping[str, str]) -> list[Check]:
     import resource
 
     inf = resource.RLIM_INFINITY
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
     shown = {v: "unlimited" if v == inf else _size(v) for v in (memlock, stack)}
-    return [  # NCCL's RDMA and shared-memory transports pin host memory against memlock
-        _check("ulimit memlock", "pass" if memlock == inf else "warn", shown[memlock],
-               "ulimits: memlock: -1 (compose) / --ulimit memlock=-1 (docker run)"),
+    # Only NCCL's InfiniBand/RoCE transport registers (locks) host memory; gloo, NCCL's sockets and
+    # its shared-memory transport lock none. So a limited memlock (ULIMIT_MEMLOCK, for engines that
+    # may not raise it: rootless Docker, Podman) is fine unless NCCL would use an RDMA device.
+    try:
+        rdma = sorted(os.listdir(RDMA_DEVICES))
+    except OSError:
+        rdma = []
+    needs_memlock = gpus > 0 and bool(rdma) and env.get("NCCL_IB_DISABLE", "").strip() != "1"
+    why = ("" if memlock == inf else f" (NCCL over {', '.join(rdma)} locks memory)" if needs_memlock
+           else " (enough: gloo and NCCL without InfiniBand/RoCE lock none)" if gpus
+           else " (enough: gloo on the CPU locks none)")
+    return [
+        _check("ulimit memlock", "warn" if needs_memlock and memlock != inf else "pass", shown[memlock] + why,
+               "unlimited memlock: compose's default ULIMIT_MEMLOCK=-1 / docker run --ulimit memlock=-1, on an engine "
+               "that may raise it; else NCCL_IB_DISABLE=1 (sockets)"),
         # 64 MiB is NVIDIA's recommended container stack size for CUDA workloads
         _check("ulimit stack", "warn" if stack != inf and stack < 64 * MIB else "pass",
                shown[stack], "ulimits: stack: 67108864 / --ulimit stack=67108864")]
@@ -325,7 +340,7 @@ def run_checks(env: Mapping[str, str], training: TrainConfig | None = None) -> l
     gpus = visible_gpu_count()
     fp = version_fingerprint() if gpus else _cpu_versions()
     host = [
-        *check_ulimits(),
+        *check_ulimits(gpus, env),
         check_dir("checkpoint dir", "--checkpoint-dir (TRAIN_CHECKPOINT_DIR)", training.checkpoint_dir),
         check_dir("log dir", "--log-dir (TRAIN_LOG_DIR)", training.log_dir),
         Check("versions", "pass", f"torch {fp['torch']}, CUDA {fp['cuda'] or 'none'}, "

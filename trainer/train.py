@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     from trainer.data import Batches, build_datasets
     from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
     from trainer.models import Objective, build_model
-    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.optim import build_optimizer, build_scheduler, warmup_length
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     cuda = ctx.device.type == "cuda"
@@ -262,8 +262,8 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     if ctx.distributed and cfg.local_sgd_period:
         from trainer.local_sgd import PeriodicAveraging
 
-        local_sgd = PeriodicAveraging(ctx, ddp_model, optimizer, cfg.local_sgd_period, cfg.warmup_steps,
-                                      position.step)
+        local_sgd = PeriodicAveraging(ctx, ddp_model, optimizer, cfg.local_sgd_period,
+                                      warmup_length(cfg, total_steps), position.step)
     forward = local_sgd.forward if local_sgd else ddp_model
     forward = torch.compile(forward) if cfg.compile else forward
 

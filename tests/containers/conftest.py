@@ -8,10 +8,9 @@ Knobs (environment):
   REQUIRE_DOCKER=1        fail instead of skip when the engine or Compose v2 is missing
   CPU_BASE_IMAGE          base of the CPU image (default: local/debian:bookworm when that image
                           exists, else compose.yaml's default)
-  CPU_TORCH_SOURCE        index | wheelhouse (default: wheelhouse when docker/wheelhouse has wheels)
+  CPU_TORCH_SOURCE        index | wheelhouse (default: wheelhouse when scripts/offline-build's wheelhouse
+                          image ddp-trainer:wheelhouse exists; WHEELHOUSE_IMAGE names another)
   TEST_REUSE_IMAGE=1      use an existing ddp-trainer:cpu-test image as is, without "docker compose build"
-  ULIMIT_MEMLOCK          passed on; by default the tests probe whether the engine may set
-                          memlock=-1 and fall back to this process's hard limit if not
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from typing import Iterable
 
 import pytest
 
-from containerlib import (COMPOSE_FILE, CPU_IMAGE, EMPTY_ENV_FILE, ROOT, Project, build_env, clean_env,
-                          image_exists, memlock_override)
+from containerlib import COMPOSE_FILE, CPU_IMAGE, EMPTY_ENV_FILE, ROOT, Project, build_env, clean_env, image_exists
 
 
 def pytest_collection_modifyitems(config, items):
@@ -82,7 +80,7 @@ def cpu_image(docker_client, compose_cli) -> dict[str, str]:
 
     BuildKit's layer cache makes a rebuild of unchanged sources take seconds, so the image always
     matches the working tree; TEST_REUSE_IMAGE=1 skips even that when the tag exists.
-    Returns the environment every compose call of the tests needs (image tag, memlock limit).
+    Returns the environment every compose call of the tests needs (the image tag and how it was built).
     """
     env = {"TRAINER_CPU_IMAGE": CPU_IMAGE, **build_env()}
     reuse = os.environ.get("TEST_REUSE_IMAGE", "").strip().lower() in ("1", "true", "yes")
@@ -95,9 +93,6 @@ def cpu_image(docker_client, compose_cli) -> dict[str, str]:
             pytest.fail(f"building the CPU image failed ({env}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}",
                         pytrace=False)
         print(f"\nCPU image {CPU_IMAGE} built in {time.monotonic() - started:.0f} s with {env}")
-    memlock = os.environ.get("ULIMIT_MEMLOCK") or memlock_override(docker_client, CPU_IMAGE)
-    if memlock:
-        env["ULIMIT_MEMLOCK"] = memlock
     return env
 
 

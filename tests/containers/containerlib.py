@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import socket
 import subprocess
 import tempfile
@@ -17,8 +16,8 @@ from typing import Iterable
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
 MULTINODE_FILE = ROOT / "compose.multinode.yaml"
-WHEELHOUSE = ROOT / "docker" / "wheelhouse"
-LOCAL_BASE = "local/debian:bookworm"
+LOCAL_BASE = "local/debian:bookworm"  # scripts/offline-build's base image and wheelhouse image
+WHEELHOUSE_IMAGE = "ddp-trainer:wheelhouse"
 CPU_IMAGE = "ddp-trainer:cpu-test"
 EMPTY_ENV_FILE = Path(tempfile.gettempdir()) / "ddp-container-tests-empty.env"
 EMPTY_ENV_FILE.write_text("")
@@ -28,7 +27,7 @@ KNOB_PATTERN = re.compile(
     r"^(COMPOSE_|TRAIN_|NCCL_|GLOO_|TORCH_|TENSORBOARD_|NNODES$|NODE_RANK$|NPROC_PER_NODE$|MASTER_|"
     r"MAX_RESTARTS$|RDZV_TIMEOUT$|PREFLIGHT$|GPU_COUNT$|IPC_MODE$|SHM_SIZE$|STOP_GRACE_PERIOD$|"
     r"RESTART_POLICY$|DATA_DIR$|CHECKPOINT_DIR$|RUNS_DIR$|TRAINER_|BASE_IMAGE$|CUDA_VISIBLE_DEVICES$|"
-    r"CPU_|ULIMIT_)")
+    r"CPU_|ULIMIT_|WHEELHOUSE_IMAGE$|SRC_DIR$)")
 
 
 def clean_env(**overrides: str) -> dict[str, str]:
@@ -36,25 +35,6 @@ def clean_env(**overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not KNOB_PATTERN.match(k)}
     env.update({k: str(v) for k, v in overrides.items()})
     return env
-
-
-def memlock_override(client, image: str) -> str | None:
-    """None if the engine may set memlock=-1 (compose.yaml's default); else a limit it may set."""
-    import docker
-
-    probe = client.containers.create(image, entrypoint=["true"], network_mode="host",
-                                     ulimits=[docker.types.Ulimit(name="memlock", soft=-1, hard=-1)])
-    try:
-        probe.start()
-        probe.wait(timeout=60)
-        return None
-    except docker.errors.APIError as err:
-        if "rlimit" not in str(err):
-            raise
-    finally:
-        probe.remove(force=True)
-    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
-    return str(hard if hard != resource.RLIM_INFINITY else 64 << 20)
 
 
 def build_env() -> dict[str, str]:
@@ -66,8 +46,10 @@ def build_env() -> dict[str, str]:
         env["CPU_BASE_IMAGE"] = LOCAL_BASE
     if os.environ.get("CPU_TORCH_SOURCE"):
         env["CPU_TORCH_SOURCE"] = os.environ["CPU_TORCH_SOURCE"]
-    elif any(WHEELHOUSE.glob("torch-*.whl")):
+    elif subprocess.run(["docker", "image", "inspect", WHEELHOUSE_IMAGE], capture_output=True).returncode == 0:
         env["CPU_TORCH_SOURCE"] = "wheelhouse"
+    if env.get("CPU_TORCH_SOURCE") == "wheelhouse":
+        env["WHEELHOUSE_IMAGE"] = os.environ.get("WHEELHOUSE_IMAGE") or WHEELHOUSE_IMAGE
     if os.environ.get("TORCH_INDEX_URL"):
         env["TORCH_INDEX_URL"] = os.environ["TORCH_INDEX_URL"]
     return env
@@ -108,13 +90,13 @@ class Project:
         self.background: list[subprocess.Popen] = []
         self.logfiles = []
 
-    def argv(self, *args: str, profile: str | None = "cpu") -> list[str]:
+    def argv(self, *args: str, profile: str | tuple[str, ...] | None = "cpu") -> list[str]:
         files = [a for f in self.files for a in ("-f", str(f))]
-        profiles = ["--profile", profile] if profile else []
+        profiles = [a for p in ((profile,) if isinstance(profile, str) else profile or ()) for a in ("--profile", p)]
         # An empty env file: a developer's .env must not leak into the tests.
         return [*self.cli, *files, "--env-file", str(EMPTY_ENV_FILE), "-p", self.name, *profiles, *args]
 
-    def run(self, *args: str, profile: str | None = "cpu", timeout: float = 300, check: bool = True,
+    def run(self, *args: str, profile: str | tuple[str, ...] | None = "cpu", timeout: float = 300, check: bool = True,
             **env: str) -> subprocess.CompletedProcess:
         out = subprocess.run(self.argv(*args, profile=profile), cwd=ROOT, env={**self.env, **env},
                              capture_output=True, text=True, timeout=timeout)
@@ -122,7 +104,7 @@ class Project:
             raise AssertionError(f"{' '.join(out.args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
         return out
 
-    def up_attached(self, *args: str, profile: str | None = "cpu", **env: str) -> subprocess.Popen:
+    def up_attached(self, *args: str, profile: str | tuple[str, ...] | None = "cpu", **env: str) -> subprocess.Popen:
         """`docker compose [--profile P] up ARGS` in the foreground of a background process."""
         log = open(self.dir / f"up-{len(self.background)}.log", "w")
         self.logfiles.append(log)

@@ -15,8 +15,10 @@ import pytest
 from containerlib import COMPOSE_FILE, EMPTY_ENV_FILE, MULTINODE_FILE, ROOT, clean_env
 
 FILES = {"compose.yaml": COMPOSE_FILE, "compose.multinode.yaml": MULTINODE_FILE}
-PROFILE_SERVICES = {"gpu": {"trainer", "tensorboard"}, "cpu": {"trainer-cpu", "tensorboard-cpu"}}
+PROFILE_SERVICES = {"gpu": {"trainer", "tensorboard"}, "cpu": {"trainer-cpu", "summary-cpu"},
+                    "tensorboard": {"tensorboard-cpu"}}
 TRAINERS = {"gpu": "trainer", "cpu": "trainer-cpu"}
+TENSORBOARDS = {"gpu": ("gpu", "tensorboard"), "cpu": ("tensorboard", "tensorboard-cpu")}  # profile, service
 ENV_EXAMPLE = ROOT / ".env.example"
 
 
@@ -38,7 +40,7 @@ def seconds(duration) -> float:
     return total
 
 
-@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+@pytest.mark.parametrize("profile", list(PROFILE_SERVICES))
 @pytest.mark.parametrize("name", list(FILES))
 def test_every_file_and_profile_renders_without_unset_variables(compose_cli, name, profile):
     config, stderr = compose_config(compose_cli, FILES[name], "--profile", profile)
@@ -56,10 +58,16 @@ def test_trainer_has_shm_ulimits_volumes_and_a_checkpoint_grace_period(compose_c
     trainer = config["services"][TRAINERS[profile]]
     assert trainer["ipc"] == "host"
     assert int(trainer["shm_size"]) >= 1 << 30
-    assert trainer["ulimits"]["memlock"] in (-1, {"soft": -1, "hard": -1})
+    if profile == "gpu":  # NVIDIA's recommendation for NCCL
+        assert trainer["ulimits"]["memlock"] in (-1, {"soft": -1, "hard": -1})
+    else:  # gloo locks no memory, and engines that may not raise the limit would refuse the container
+        assert "memlock" not in trainer["ulimits"]
     assert trainer["ulimits"]["stack"] in (67108864, {"soft": 67108864, "hard": 67108864})
     mounts = {v["target"]: v for v in trainer["volumes"]}
     assert mounts["/data"].get("read_only") is True
+    # The user's code: ./src of the clone, read-only, where the image's PYTHONPATH points.
+    assert mounts["/workspace/src"].get("read_only") is True
+    assert mounts["/workspace/src"]["type"] == "bind" and mounts["/workspace/src"]["source"] == str(ROOT / "src")
     assert not mounts["/checkpoints"].get("read_only") and not mounts["/runs"].get("read_only")
     assert seconds(trainer["stop_grace_period"]) >= 30
     policy, _, retries = trainer["restart"].partition(":")
@@ -93,10 +101,10 @@ def test_cpu_profile_is_gloo_on_two_processes_without_gpu_reservation(compose_cl
     assert trainer["build"]["network"] == "host"
 
 
-@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+@pytest.mark.parametrize("stack", ["gpu", "cpu"])
 @pytest.mark.parametrize("name", list(FILES))
-def test_tensorboard_binds_loopback_unless_opted_in(compose_cli, name, profile):
-    service = {"gpu": "tensorboard", "cpu": "tensorboard-cpu"}[profile]
+def test_tensorboard_binds_loopback_unless_opted_in(compose_cli, name, stack):
+    profile, service = TENSORBOARDS[stack]
     config, _ = compose_config(compose_cli, FILES[name], "--profile", profile)
     tensorboard = config["services"][service]
     assert "tensorboard --logdir /runs" in " ".join(tensorboard["entrypoint"])
@@ -119,6 +127,31 @@ def test_plain_up_is_the_gpu_stack_and_cpu_profile_never_selects_it(compose_cli)
         assert set(config["services"]) == PROFILE_SERVICES["gpu"]
         config, _ = compose_config(compose_cli, COMPOSE_FILE, "--profile", "cpu", env_file=env_file, **extra)
         assert set(config["services"]) == PROFILE_SERVICES["cpu"]
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_cpu_up_ends_with_the_trainer_status(compose_cli, name):
+    # `up` returns when every started container has exited for good: no server in the cpu profile
+    # (TensorBoard is opt-in), and summary-cpu's dependency makes a failed trainer fail `up`.
+    config, _ = compose_config(compose_cli, FILES[name], "--profile", "cpu")
+    summary = config["services"]["summary-cpu"]
+    assert summary["depends_on"]["trainer-cpu"]["condition"] == "service_completed_successfully"
+    assert summary["restart"] == "no" and summary["volumes"][0]["target"] == "/runs"
+    assert all("tensorboard" not in service for service in config["services"])
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_src_dir_and_user_code_settings_pass_through(compose_cli, name, tmp_path):
+    settings = {"TRAIN_MODEL": "mymodels:build", "TRAIN_DATASET": "mydata:build",
+                "TRAIN_SCRIPT": "/workspace/src/train.py", "TRAIN_IMAGE_SIZE": "64", "TRAIN_AUGMENT": "light"}
+    for profile in ("gpu", "cpu"):
+        config, _ = compose_config(compose_cli, FILES[name], "--profile", profile, SRC_DIR=str(tmp_path), **settings)
+        trainer = config["services"][TRAINERS[profile]]
+        mount = next(v for v in trainer["volumes"] if v["target"] == "/workspace/src")
+        assert mount["source"] == str(tmp_path) and mount["read_only"] is True
+        assert {k: trainer["environment"][k] for k in settings} == settings
+    config, _ = compose_config(compose_cli, FILES[name], "--profile", "cpu")
+    assert config["services"]["trainer-cpu"]["environment"].get("TRAIN_SCRIPT") is None  # unset: the built-in trainer
 
 
 def test_multinode_defaults_and_passthrough(compose_cli):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from containerlib import MULTINODE_FILE
+from containerlib import COMPOSE_FILE, MULTINODE_FILE
 
 FIRST_STEP = r"first step done"
 ONE_LINE_ERROR = r"^error: \S+: .+ \(.+\)$"
@@ -51,7 +51,7 @@ def wait_for_scalars(port: str, tag: str, last_step: int, timeout: float = 90) -
 def test_cpu_profile_trains_to_completion_and_tensorboard_serves_the_run(make_project):
     project = make_project("cpu")
     started = time.monotonic()
-    project.up_attached()  # docker compose --profile cpu up
+    project.up_attached(profile=("cpu", "tensorboard"))  # docker compose --profile cpu --profile tensorboard up
     project.wait_log("trainer-cpu", FIRST_STEP, timeout=240)
     first_step = time.monotonic() - started
     state = project.wait_exit("trainer-cpu", timeout=600)
@@ -82,7 +82,7 @@ def test_two_compose_projects_train_as_one_world_of_four(make_project):
                         MASTER_PORT=nodes[0].env["MASTER_PORT"], TRAIN_SYNTHETIC_SIZE="2048",
                         TRAIN_EPOCHS="1", TRAIN_CHECKPOINT_EVERY="0")
     for node in nodes:
-        node.up_attached()
+        node.up_attached(profile=("cpu", "tensorboard"))
     states = [node.wait_exit("trainer-cpu", timeout=600) for node in nodes]
     for node, state in zip(nodes, states):
         assert state["ExitCode"] == 0, node.logs("trainer-cpu")[-3000:]
@@ -95,6 +95,27 @@ def test_two_compose_projects_train_as_one_world_of_four(make_project):
     assert nodes[1].wait_exit("tensorboard-cpu", timeout=60)["ExitCode"] == 0
     assert "nothing to serve" in nodes[1].logs("tensorboard-cpu")
     assert nodes[0].container("tensorboard-cpu").status == "running"
+    # Each host's summary: the result on NODE_RANK 0, a pointer to it on the other.
+    assert nodes[0].wait_exit("summary-cpu", timeout=60)["ExitCode"] == 0
+    assert re.search(r"^completed at step \d+, world size 4: ", nodes[0].logs("summary-cpu"), re.M)
+    assert "NODE_RANK 0 host" in nodes[1].logs("summary-cpu")
+
+
+@pytest.mark.parametrize("files", [(), (MULTINODE_FILE,)], ids=["compose.yaml", "compose.multinode.yaml"])
+def test_user_code_in_src_dir_is_importable_in_the_trainer(make_project, tmp_path, files):
+    # SRC_DIR -> /workspace/src (read-only) on the image's PYTHONPATH: what TRAIN_MODEL=mymodels:build needs.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mymodels.py").write_text("def build(spec=None):\n    return 'built by mymodels'\n")
+    src.chmod(0o755)
+    (src / "mymodels.py").chmod(0o644)
+    project = make_project("src", files=files or [COMPOSE_FILE])
+    project.env.update(SRC_DIR=str(src), NODE_RANK="0", MASTER_ADDR="127.0.0.1")
+    out = project.run("run", "--rm", "--no-deps", "--entrypoint", "python3", "trainer-cpu", "-c",
+                      "import mymodels, pathlib; print(mymodels.build()); pathlib.Path('/workspace/src/x').touch()",
+                      check=False, timeout=120)
+    assert "built by mymodels" in out.stdout, out.stdout + out.stderr
+    assert out.returncode != 0 and "Read-only file system" in out.stderr, out.stderr  # mounted read-only
 
 
 def test_stop_checkpoints_and_up_resumes(make_project):
@@ -164,3 +185,13 @@ def test_a_crashed_launcher_is_restarted_by_compose_and_resumes(make_project):
     summary = project.summary()
     assert summary["status"] == "completed" and summary["global_step"] == 128
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 10
+
+
+def test_help_in_the_cpu_profile_shows_the_profiles_values(make_project):
+    project = make_project("help")
+    out = project.run("run", "--rm", "--no-deps", "trainer-cpu", "--help", timeout=120)
+    assert "Training options" in out.stdout, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps the help lines
+    for shown in ("[env TRAIN_MODEL=cnn here; default resnet18]", "[env TRAIN_EPOCHS=2 here; default 5]",
+                  "[env TRAIN_LR=0.05 here; default 0.1]"):
+        assert shown in text, out.stdout
