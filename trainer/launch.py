@@ -112,7 +112,7 @@ def choose_program(argv: Sequence[str], env: Mapping[str, str]) -> Program:
     """The built-in trainer unless the command line (or else TRAIN_SCRIPT) names a script or module,
     checked before any process starts: torchrun would otherwise start every rank to fail alike."""
     if argv[:1] == ["-m"]:
-        if len(argv) < 2:
+        if len(argv) < 2 or argv[1].startswith("-"):
             raise UsageError("-m", "names no module", "give the module to run: trainer-launch -m mypkg.train ARGS")
         return Program(checked_module(argv[1], "-m"), tuple(argv[2:]))
     if argv and not argv[0].startswith("-"):
@@ -149,6 +149,7 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
     if name.endswith(".py") or os.sep in name:
         fix = f"for a file, drop -m: trainer-launch {name}"
     sys.path.insert(0, os.getcwd())
+    sys.dont_write_bytecode = True  # nothing written before the run starts, not even __pycache__
     try:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
