@@ -206,6 +206,25 @@ def test_sigterm_checkpoints_exits_0_and_the_next_run_resumes_exactly(tmp_path, 
 
 # ------------------------------------------------------------------ examples/, as their READMEs run them
 
+def readme_script() -> str:
+    """The complete trainer.api script the README shows (the python block after its marker)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- README script: tests/test_scripts.py runs this block -->", 1)[1]
+    return block.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_readme_script_runs_as_shown_and_resumes_a_finished_run_as_finished(tmp_path):
+    (tmp_path / "train.py").write_text(readme_script())
+    assert 30 <= len(readme_script().splitlines()) <= 45  # the README promises a short script
+    result = launch_ok(["train.py"], tmp_path)
+    assert "epoch 4 done at step 160" in result.stdout  # 4096 samples / 2 ranks / 64: 32 steps per epoch
+    assert checkpoint_steps(tmp_path / "checkpoints") == [100, 128, 160]  # the newest 3 of the epoch ends and step 100
+    again = launch_ok(["train.py"], tmp_path)
+    assert "resuming from checkpoints/step-00000160.pt (step 160, epoch 5, batch 0)" in again.stderr
+    assert "done at step" not in again.stdout and checkpoint_steps(tmp_path / "checkpoints") == [100, 128, 160]
+
+
 @pytest.mark.slow
 def test_example_cifar_resnet_script(tmp_path):
     result = launch_ok([str(REPO / "examples/cifar_resnet_script/train.py"), "--epochs", "1", "--samples", "128",
