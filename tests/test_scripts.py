@@ -20,7 +20,10 @@ import pytest
 from fault_helpers import Launch, launcher_env, wait_until
 from helpers import (BAD_INPUT_TIMEOUT_S, REPO, RUN_TIMEOUT_S, assert_same_params, assert_usage_error,
                      checkpoint_steps, clean_env, files_under, free_port, load_checkpoint, read_scalars)
+from torch.utils.data import DistributedSampler
+
 from trainer.checkpoint import list_checkpoints
+from trainer.sampling import ResumableSampler
 from trainer.launch import build_command
 
 LOOP = REPO / "tests" / "user_code" / "loop.py"
@@ -149,6 +152,18 @@ def test_train_script_is_a_launcher_setting_not_an_unknown_training_option(tmp_p
     assert_usage_error(typo, "TRAIN_SCRIPTS")
 
 
+def test_preflight_checks_the_host_for_a_script_not_the_built_in_trainers_options(tmp_path):
+    """The doctor's host and network checks run before a script too; the built-in trainer's options
+    (here a checkpoint directory that could not be written) are not the script's and are not read."""
+    (tmp_path / "my_train.py").write_text("")
+    env = launcher_env(free_port(), PREFLIGHT="1", GLOO_SOCKET_IFNAME="nosuch0", TRAIN_CHECKPOINT_DIR="/proc/no")
+    result = subprocess.run([sys.executable, "-m", "trainer.launch", "my_train.py"], cwd=tmp_path, env=clean_env(env),
+                            capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith("error: preflight: GLOO_SOCKET_IFNAME: "), result.stderr
+    assert "checkpoint dir" not in result.stderr and "torchrun" not in result.stderr
+
+
 def test_launcher_help_documents_the_script_forms():
     result = subprocess.run([sys.executable, "-m", "trainer.launch", "--help"], env=clean_env(), capture_output=True,
                             text=True, timeout=BAD_INPUT_TIMEOUT_S)
@@ -175,6 +190,24 @@ def test_script_that_raises_keeps_its_traceback_then_the_rank_summary_and_its_ch
 
 
 # ------------------------------------------------------------------ exact resume and the SIGTERM stop
+
+@pytest.mark.parametrize("size, world_size, batch_size", [(50, 2, 4), (48, 3, 5), (7, 1, 7)])
+def test_resumable_sampler_is_torchs_distributed_order_from_the_resume_batch(size, world_size, batch_size):
+    """The order users know (DistributedSampler, shuffle, seed, drop_last) in whole batches; an epoch
+    begun at batch b yields exactly what the whole epoch yields from batch b on."""
+    for rank in range(world_size):
+        for epoch in (0, 3):
+            torchs = DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=True, seed=7,
+                                        drop_last=True)
+            torchs.set_epoch(epoch)
+            whole = list(torchs)[:len(list(torchs)) // batch_size * batch_size]
+            sampler = ResumableSampler(size, batch_size, rank, world_size, seed=7)
+            sampler.set_epoch(epoch)
+            assert list(sampler) == whole and len(sampler) == len(whole)
+            for start in range(sampler.batches_per_epoch + 1):
+                sampler.set_epoch(epoch, start)
+                assert list(sampler) == whole[start * batch_size:]
+
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_0_and_the_next_run_resumes_exactly(tmp_path, uninterrupted):
