@@ -172,6 +172,34 @@ def test_launcher_help_documents_the_script_forms():
         assert form in result.stdout
 
 
+@pytest.mark.slow
+def test_the_api_joins_slurm_and_single_process_worlds_too(tmp_path):
+    """The same script without torchrun: two plain processes as `srun --ntasks 2` starts them (rank facts
+    from SLURM_* variables), then one plain process, which trains on the whole data set alone."""
+    port = str(free_port())
+    (tmp_path / "slurm").mkdir()
+    slurm = [subprocess.Popen([sys.executable, str(LOOP), "--out", "slurm", "--epochs", "1"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=clean_env({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                                             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+                                             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port}))
+             for rank in range(2)]
+    try:
+        outputs = [worker.communicate(timeout=RUN_TIMEOUT_S)[0] for worker in slurm]
+    finally:
+        for worker in slurm:
+            if worker.poll() is None:
+                worker.kill()
+    assert [w.returncode for w in slurm] == [0, 0], [out[-2000:] for out in outputs]
+    assert len(seen(tmp_path / "slurm", 0)) == len(seen(tmp_path / "slurm", 1)) == STEPS_PER_EPOCH
+
+    (tmp_path / "alone").mkdir()
+    alone = subprocess.run([sys.executable, str(LOOP), "--out", "alone", "--epochs", "1"], cwd=tmp_path,
+                           env=clean_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert sorted(i for batch in seen(tmp_path / "alone", 0) for i in batch) == list(range(48))
+
+
 # ------------------------------------------------------------------ failures inside user code
 
 @pytest.mark.slow
