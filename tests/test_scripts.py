@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def test_script_runs_on_two_processes_to_completion(uninterrupted):
         batches = first[epoch * STEPS_PER_EPOCH:][:STEPS_PER_EPOCH] + second[epoch * STEPS_PER_EPOCH:][:STEPS_PER_EPOCH]
         assert sorted(i for batch in batches for i in batch) == list(range(48))
     assert checkpoint_steps(out / "checkpoints") == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]  # the epoch ends
-    assert [step for step, _ in read_scalars(out / "runs")["Loss/train"]] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    assert [step for step, _ in read_scalars(out / "runs")["Loss/train"]] == [10]  # every log_every (10) steps
 
 
 @pytest.mark.slow
@@ -198,6 +199,21 @@ def test_the_api_joins_slurm_and_single_process_worlds_too(tmp_path):
                            env=clean_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert sorted(i for batch in seen(tmp_path / "alone", 0) for i in batch) == list(range(48))
+
+
+def test_the_apis_process_group_that_cannot_form_is_one_line(tmp_path):
+    """As for the built-in worker: a rendezvous port already taken is one line and exit 1, no traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, str(LOOP), "--out", "."], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=RUN_TIMEOUT_S,
+                                env=clean_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(port)}))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: rendezvous at 127.0.0.1:{port}: ")
+    assert "collective_timeout, now 300 s" in result.stderr
+    assert files_under(tmp_path) == set()
 
 
 # ------------------------------------------------------------------ failures inside user code

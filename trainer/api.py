@@ -16,7 +16,7 @@ Run it with `trainer-launch my_train.py ARGS`, plain torchrun, Slurm's srun, or 
 Everything here is the code the built-in trainer (`python -m trainer`) runs, not a copy of it:
 
 Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_checkpoints=3,
-    backend="auto", collective_timeout=300.0)
+    log_every=10, backend="auto", collective_timeout=300.0)
     Joins the process group of whichever launcher started the process (torchrun, srun, or none: one
     process) and pins this rank's GPU (distributed.detect_topology + distributed.setup).
     .ctx .rank .local_rank .world_size .device .is_main .is_local_main .distributed
@@ -24,7 +24,7 @@ Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_c
     .main_process_first()        context manager: rank 0 runs the block first (a download, a shared file)
     .local_main_process_first()  the same per host
     .main_process_only(fn)       decorator: fn runs on rank 0 only (returns None elsewhere)
-    .wrap(model)                 DistributedDataParallel on this rank's device (the model itself alone)
+    .wrap(model, **ddp_options)  DistributedDataParallel on this rank's device (the model itself alone)
     .sampler(dataset_or_size, batch_size, seed=0) -> ResumableSampler
                                  this rank's shard of each epoch, the order the built-in trainer uses;
                                  give DataLoader the same batch_size and drop_last=True
@@ -33,7 +33,8 @@ Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_c
                                  the newest valid one (weights_only=True); returns the steps already done
     .epochs(count)               the epochs left to train; sets the sampler's epoch and resume batch
     .step(**scalars) -> bool     once per batch, after optimizer.step(): counts it, logs the scalars to
-                                 TensorBoard (rank 0), checkpoints every checkpoint_every steps; True
+                                 TensorBoard every log_every steps (rank 0; a tensor's value is read
+                                 then only), checkpoints every checkpoint_every steps; True
                                  once a stop (SIGTERM, Ctrl-C) was requested on any rank: every rank
                                  returns True at the same step, after committing a checkpoint
     .log(**scalars)              TensorBoard scalars at the current step (rank 0; tags like "Loss/train")
@@ -72,21 +73,34 @@ class Run:
     """One process's part in a distributed training run of your own loop (see the module's docstring)."""
 
     def __init__(self, checkpoint_dir: str | os.PathLike = "./checkpoints", log_dir: str | os.PathLike = "./runs",
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3, backend: str = "auto",
-                 collective_timeout: float = 300.0):
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3, log_every: int = 10,
+                 backend: str = "auto", collective_timeout: float = 300.0):
         from trainer.checkpoint import Position
         from trainer.metrics import setup_logging
 
         with exit_on_usage_error():
             if keep_checkpoints < 1:
                 raise UsageError("keep_checkpoints", f"{keep_checkpoints} keeps no checkpoint", "give 1 or more")
+            if log_every < 1:
+                raise UsageError("log_every", f"{log_every} is below 1", "give 1 or more")
             if checkpoint_every < 0:
                 raise UsageError("checkpoint_every", f"{checkpoint_every} is negative", "give 0 (epoch ends only) or more")
-            self.ctx = distributed.setup(distributed.detect_topology(os.environ), backend, collective_timeout)
+            topology = distributed.detect_topology(os.environ)
+        try:
+            self.ctx = distributed.setup(topology, backend, collective_timeout)
+        except UsageError:
+            with exit_on_usage_error():
+                raise
+        except Exception as err:
+            message = distributed.rendezvous_failure(topology, err, "collective_timeout", collective_timeout)
+            if message is None:
+                raise
+            print_error(message)
+            raise SystemExit(1) from None
         if not logging.getLogger().handlers:  # the script's own logging setup, if any, stays
             setup_logging(self.ctx)
         self.checkpoint_dir, self.log_dir = Path(checkpoint_dir), str(log_dir)
-        self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
+        self.checkpoint_every, self.keep_checkpoints, self.log_every = checkpoint_every, keep_checkpoints, log_every
         self.position = Position()
         self.stopped = False
         self._objects: dict[str, Any] | None = None  # set by resume()
@@ -123,13 +137,13 @@ class Run:
             return fn(*args, **kwargs) if self.is_main else None
         return on_rank_0
 
-    def wrap(self, model):
+    def wrap(self, model, **ddp_options):
         if not self.distributed:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         cuda = self.device.type == "cuda"
-        return DDP(model, device_ids=[self.device.index] if cuda else None)
+        return DDP(model, device_ids=[self.device.index] if cuda else None, **ddp_options)
 
     # ------------------------------------------------------------------ data order
     def sampler(self, dataset_or_size, batch_size: int, seed: int = 0) -> ResumableSampler:
@@ -232,7 +246,7 @@ class Run:
             raise RuntimeError("run.step() belongs in a loop over run.epochs(...)")
         self.position.batch += 1
         self.position.step += 1
-        if scalars:
+        if scalars and self.position.step % self.log_every == 0:  # reading a GPU tensor waits for the GPU
             self.log(**scalars)
         stopping = self._vote.vote(self._stop.requested)
         if stopping or (self.checkpoint_every and self.position.step % self.checkpoint_every == 0):

@@ -193,6 +193,15 @@ def collective_failure(err: BaseException) -> str | None:
     return re.split(r"(?<=[.!?])\s+", first)[0][:300]  # gloo appends advice that ours replaces
 
 
+def rendezvous_failure(topology: Topology, err: BaseException, timeout_setting: str, timeout_s: float) -> str | None:
+    """The one line for a process group that could not form (None: err is some other error)."""
+    what = collective_failure(err)
+    if what is None:
+        return None
+    return (f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check MASTER_ADDR, MASTER_PORT "
+            f"and WORLD_SIZE, and that every rank started; {timeout_setting}, now {timeout_s:g} s, sets the wait)")
+
+
 def teardown(ctx: DistContext) -> None:
     import torch.distributed as dist
 

@@ -37,12 +37,10 @@ def run_worker(argv: list[str] | None) -> int:
         try:
             ctx = distributed.setup(topology, cfg.backend, cfg.collective_timeout)
         except Exception as err:
-            what = distributed.collective_failure(err)
-            if what is None:
+            message = distributed.rendezvous_failure(topology, err, "--collective-timeout", cfg.collective_timeout)
+            if message is None:
                 raise
-            print_error(f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check MASTER_ADDR, "
-                        f"MASTER_PORT and WORLD_SIZE, and that every rank started; --collective-timeout, now "
-                        f"{cfg.collective_timeout:g} s, sets the wait)")
+            print_error(message)
             return 1
     from trainer.checkpoint import CheckpointError
     from trainer.metrics import setup_logging
