@@ -5,10 +5,11 @@ slows every stack alike; each stack's median and min-max over the rounds are rep
 ratios trainer/hand-written and trainer/Lightning, and, given --nproc 1 2, each stack's scaling
 efficiency. `--stacks trainer container` instead runs the trainer bare-metal and in the CPU
 container (compose's trainer-cpu service, image built beforehand) for the container/bare-metal
-ratio. `--stacks launcher torchrun` runs one user script (the hand-written loop) through trainer-launch
-and through plain torchrun, for the launcher/torchrun ratio. `--stacks trainer baseline` runs the trainer twice per round, with --trainer-args and with
---baseline-args, for the effect of one setting (e.g. the input path) side by side. Results: a
-markdown table on stdout and bench/results/<stamp>.{md,json}.
+ratio. `--stacks launcher torchrun` runs one user script (the hand-written loop) through
+trainer-launch and through plain torchrun, for the launcher/torchrun ratio. `--stacks trainer
+baseline` runs the trainer twice per round, with --trainer-args and with --baseline-args, for the
+effect of one setting (e.g. the input path) side by side. Results: a markdown table on stdout and
+bench/results/<stamp>.{md,json}.
 """
 
 from __future__ import annotations

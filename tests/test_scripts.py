@@ -122,7 +122,8 @@ BAD_SCRIPTS = {
     "package without __main__": ([["-m", "mypkg"]], {}, "-m: no module named 'mypkg'"),
     "a file given to -m": ([["-m", "mypkg/train.py"]], {}, "-m: no module named 'mypkg/train.py' (for a file, drop -m"),
     "-m alone": ([["-m"]], {}, "-m: names no module"),
-    "TRAIN_SCRIPT missing file": ([[]], {"TRAIN_SCRIPT": "/nowhere/train.py"}, "TRAIN_SCRIPT: '/nowhere/train.py' does"),
+    "TRAIN_SCRIPT missing file": ([[]], {"TRAIN_SCRIPT": "/nowhere/train.py"},
+                                  "TRAIN_SCRIPT: '/nowhere/train.py' does"),
     "TRAIN_SCRIPT missing module": ([[]], {"TRAIN_SCRIPT": "-m mypkg.nosuch"}, "TRAIN_SCRIPT: no module named"),
     "TRAIN_SCRIPT with arguments": ([[]], {"TRAIN_SCRIPT": "-m mypkg.train --lr 1"}, "TRAIN_SCRIPT: '-m mypkg.train"),
 }

@@ -84,7 +84,8 @@ class Run:
             if log_every < 1:
                 raise UsageError("log_every", f"{log_every} is below 1", "give 1 or more")
             if checkpoint_every < 0:
-                raise UsageError("checkpoint_every", f"{checkpoint_every} is negative", "give 0 (epoch ends only) or more")
+                raise UsageError("checkpoint_every", f"{checkpoint_every} is negative",
+                                 "give 0 (epoch ends only) or more")
             topology = distributed.detect_topology(os.environ)
         try:
             self.ctx = distributed.setup(topology, backend, collective_timeout)
@@ -188,7 +189,8 @@ class Run:
                              "give this script its own checkpoint_dir")
         if saved.keys() != objects.keys():
             raise UsageError("checkpoint_dir", f"{path} holds {', '.join(sorted(saved))}; this script resumes "
-                             f"{', '.join(sorted(objects))}", "pass resume() the same names, or use another checkpoint_dir")
+                             f"{', '.join(sorted(objects))}",
+                             "pass resume() the same names, or use another checkpoint_dir")
         for name, obj in objects.items():
             try:
                 obj.load_state_dict(saved[name])
@@ -211,7 +213,8 @@ class Run:
             raise RuntimeError("call run.resume(model=..., optimizer=...) first: it names what a checkpoint holds")
         pos = self.position
         if self.is_main:
-            state = {"format": checkpoint.FORMAT, STATE_KEY: {name: obj.state_dict() for name, obj in self._objects.items()},
+            objects = {name: obj.state_dict() for name, obj in self._objects.items()}
+            state = {"format": checkpoint.FORMAT, STATE_KEY: objects,
                      "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
                      "samples_per_batch": self._samples_per_batch(), "rng": checkpoint.rng_state(self.ctx)}
             try:

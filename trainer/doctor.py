@@ -119,11 +119,10 @@ def check_shm(training: TrainConfig | None, plan: LaunchPlan, gpus: int) -> Chec
         return Check("shared memory", "warn", f"{SHM_DIR} not found", SHM_FIX)
     size, free, need = st.f_frsize * st.f_blocks, st.f_frsize * st.f_bavail, loader + allreduce
     low = free < need or size < 2 * need or ((loader > 0 or training is None) and size < GIB)
+    what = ("a script's DataLoader workers pass batches here (1 GiB or more)" if training is None else
+            f"need ~{_size(need)}: " + ("; ".join(uses) or "no DataLoader workers, no shared-memory all-reduce"))
     return _check("shared memory", "fail" if free < loader else "warn" if low else "pass",
-                  f"{SHM_DIR} {_size(size)} ({_size(free)} free), "
-                  + ("a script's DataLoader workers pass batches here (1 GiB or more)" if training is None else
-                     f"need ~{_size(need)}: " + ("; ".join(uses) or "no DataLoader workers, no shared-memory all-reduce")),
-                  SHM_FIX)
+                  f"{SHM_DIR} {_size(size)} ({_size(free)} free), {what}", SHM_FIX)
 
 
 def check_ulimits() -> list[Check]:

@@ -132,7 +132,8 @@ def choose_program(argv: Sequence[str], env: Mapping[str, str]) -> Program:
 def checked_script(path: str, setting: str) -> tuple[str, ...]:
     where = f"'{path}'" if os.path.isabs(path) else f"'{path}' (in {os.getcwd()})"
     if not os.path.exists(path):
-        raise UsageError(setting, f"{where} does not exist", "give the path of your training script, or -m and a module")
+        raise UsageError(setting, f"{where} does not exist",
+                         "give the path of your training script, or -m and a module")
     if not os.path.isfile(path):
         raise UsageError(setting, f"{where} is not a file", "give the .py file to run, or -m and a module")
     if not os.access(path, os.R_OK):

@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--log-dir", default="./runs")
     args = parser.parse_args()
 
-    with api.Run(checkpoint_dir=args.checkpoint_dir, log_dir=args.log_dir, checkpoint_every=args.checkpoint_every) as run:
+    with api.Run(args.checkpoint_dir, args.log_dir, checkpoint_every=args.checkpoint_every) as run:
         train_set, val_set = cifar_shaped(args.samples, seed=1), cifar_shaped(args.samples // 5, seed=2)
         torch.manual_seed(0)  # the same initial weights on every rank
         model = torchvision.models.resnet18(weights=None)
