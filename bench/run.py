@@ -5,9 +5,11 @@ slows every stack alike; each stack's median and min-max over the rounds are rep
 ratios trainer/hand-written and trainer/Lightning, and, given --nproc 1 2, each stack's scaling
 efficiency. `--stacks trainer container` instead runs the trainer bare-metal and in the CPU
 container (compose's trainer-cpu service, image built beforehand) for the container/bare-metal
-ratio. `--stacks trainer baseline` runs the trainer twice per round, with --trainer-args and with
---baseline-args, for the effect of one setting (e.g. the input path) side by side. Results: a
-markdown table on stdout and bench/results/<stamp>.{md,json}.
+ratio. `--stacks launcher torchrun` runs one user script (the hand-written loop) through
+trainer-launch and through plain torchrun, for the launcher/torchrun ratio. `--stacks trainer
+baseline` runs the trainer twice per round, with --trainer-args and with --baseline-args, for the
+effect of one setting (e.g. the input path) side by side. Results: a markdown table on stdout and
+bench/results/<stamp>.{md,json}.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import platform
 import shlex
+import socket
 import statistics
 import sys
 import tempfile
@@ -33,13 +36,15 @@ from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, 
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-STACKS = ("trainer", "handwritten", "lightning", "container", "baseline")
+STACKS = ("trainer", "handwritten", "lightning", "container", "baseline", "launcher", "torchrun")
 DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
 MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run",
            "baseline": "trainer"}
+CLASSIFIER_STACKS = ("handwritten", "lightning", "launcher", "torchrun")  # bench/common.py's classifier loop
 TRAINER_STACKS = ("trainer", "container", "baseline")  # they run this trainer, which writes runs/summary.json
-# Besides trainer/<peer>: container parity (over bare metal) and one setting's effect (over the baseline).
-RATIOS = [("container", "trainer"), ("trainer", "baseline")]
+# Besides trainer/<peer>: container parity (over bare metal), one setting's effect (over the baseline)
+# and a user's script through trainer-launch (over the same script through plain torchrun).
+RATIOS = [("container", "trainer"), ("trainer", "baseline"), ("launcher", "torchrun")]
 CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
@@ -71,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise UsageError(setting, f"{value} is below 1", "give 1 or more")
     check_timed_steps(args.steps)
     reconstructs = args.model in catalog.MODELS and catalog.MODELS[args.model].reconstructs
-    if reconstructs and {"handwritten", "lightning"} & set(args.stacks):
+    if reconstructs and set(CLASSIFIER_STACKS) & set(args.stacks):
         raise UsageError("--model", f"{args.model} learns to reconstruct, and the hand-written and Lightning stacks "
                          "train classifiers", "choose a classifier, or --stacks trainer baseline")
     if "lightning" in args.stacks and importlib.util.find_spec("lightning") is None:
@@ -117,13 +122,28 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
                 "--no-deps", "-e", f"NPROC_PER_NODE={nproc}", "-e", f"OMP_NUM_THREADS={args.threads}",
                 "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu",
                 *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
+    if stack in ("launcher", "torchrun"):  # as users run their script: trainer-launch (preflight on), or torchrun
+        runner = [sys.executable, "-m", "trainer.launch"] if stack == "launcher" else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        return [*runner, "-m", MODULES["handwritten"], *script_flags(args, workdir)]
     command = [*torchrun_command(nproc), "-m", MODULES[stack]]
     if stack == "trainer":
         return command + trainer_flags(nproc, args, str(workdir), args.trainer_args)
     if stack == "baseline":
         return command + trainer_flags(nproc, args, str(workdir), args.baseline_args)
-    return command + ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                      "--image-size", str(args.image_size), "--result", str(workdir / "result.json")]
+    return command + script_flags(args, workdir)
+
+
+def script_flags(args: argparse.Namespace, workdir: Path) -> list[str]:
+    """The options of the hand-written and Lightning stacks' scripts (bench/common.py reads them)."""
+    return ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+            "--image-size", str(args.image_size), "--result", str(workdir / "result.json")]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -132,6 +152,9 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}  # the workload is the flags alone
     env.update(OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    if stack == "launcher":  # the launcher's topology variables, a rendezvous port of its own
+        env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
     with tempfile.TemporaryDirectory(prefix=f"bench-{stack}-") as tmp:
         workdir = Path(tmp)
         workdir.chmod(0o777)  # the container's non-root user writes its results here

@@ -23,6 +23,14 @@ def test_bench_runs_the_trainer_against_a_baseline_of_other_options(tmp_path):
     assert result["settings"]["baseline_args"] == "--loader dataloader --num-workers 0"
 
 
+@pytest.mark.slow
+def test_bench_runs_one_user_script_through_the_launcher_and_plain_torchrun(tmp_path):
+    """The script-side speed bar's harness: the same hand-written script, trainer-launch vs torchrun."""
+    result = run_bench_pair(tmp_path, ("launcher", "torchrun"), 2, "launcher/torchrun",
+                            ["--steps", "8", "--model", "cnn", "--batch-size", "16"])
+    assert result["settings"]["stacks"] == ["launcher", "torchrun"]
+
+
 def bench(args: list[str], cwd: Path, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *python_flags, "-m", "bench", *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=600)

@@ -57,13 +57,24 @@ class Trainable:
 
 
 def snapshot(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    cuda = ctx.device.type == "cuda"
     return {"format": FORMAT, "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
             "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
             "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
-            "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}}
+            "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(), "rng": rng_state(ctx)}
+
+
+def rng_state(ctx: DistContext) -> dict[str, torch.Tensor]:
+    """torch's random state (dropout, random augmentation in user code): a resumed run draws what the
+    uninterrupted run would have drawn."""
+    cuda = ctx.device.type == "cuda"
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(ctx: DistContext, rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if ctx.device.type == "cuda" and rng["cuda"].numel():
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfig, ctx: DistContext) -> Position:
@@ -76,17 +87,22 @@ def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfi
                          "use another --checkpoint-dir or --resume never") from None
     parts.scheduler.load_state_dict(state["scheduler"])
     load_scaler_state(parts.scaler, state["scaler"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if ctx.device.type == "cuda" and state["rng"]["cuda"].numel():
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
-    batch = state["batch"]
-    if state["samples_per_batch"] != cfg.batch_size * ctx.world_size:
-        batch = state["batch"] * state["samples_per_batch"] // (cfg.batch_size * ctx.world_size)
-        batch -= batch % cfg.grad_accum
-        log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
-                    "approximated (%d micro-batches in)", state["epoch"], batch)
+    set_rng_state(ctx, state["rng"])
+    batch = resized_batch(state, cfg.batch_size * ctx.world_size, cfg.grad_accum)
     log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
     return Position(state["epoch"], batch, state["global_step"])
+
+
+def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
+    """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
+    samples over all ranks (exact when that is unchanged)."""
+    batch = state["batch"]
+    if state["samples_per_batch"] != samples_per_batch:
+        batch = state["batch"] * state["samples_per_batch"] // samples_per_batch
+        batch -= batch % grad_accum
+        log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
+                    "approximated (%d micro-batches in)", state["epoch"], batch)
+    return batch
 
 
 def ensure_output_dir(path: str, setting: str) -> None:

@@ -28,6 +28,9 @@ DEFAULT_ENV_FILE = ".env"
 
 AUGMENTATIONS = ("auto", "imagenet", "light", "none")
 LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
+# TRAIN_* names the launcher reads, which are not training options (the worker never sees them as such).
+LAUNCHER_VARIABLES = {"TRAIN_SCRIPT": "your own training script instead of the built-in trainer: a path, "
+                                      "or -m and a module (trainer-launch --help)"}
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 WEEK_S = 7 * 24 * 3600
@@ -208,7 +211,7 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_si
 
 def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
     """A misspelt TRAIN_ name would otherwise be ignored in silence, and the run train with the default."""
-    known = [env_name(f.name) for f in OPTIONS]
+    known = [env_name(f.name) for f in OPTIONS] + list(LAUNCHER_VARIABLES)
     for name in variables:
         if name.startswith(ENV_PREFIX) and name not in known:
             close = difflib.get_close_matches(name, known, n=1)

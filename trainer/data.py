@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainer import catalog
 from trainer.catalog import DataSpec
 from trainer.config import LIGHT_AUGMENT_BELOW, TrainConfig
 from trainer.distributed import DistContext, local_main_first
 from trainer.errors import EchoedUsageError, UsageError, first_line
+from trainer.sampling import batch_range, epoch_shard
 
 log = logging.getLogger(__name__)
 
@@ -363,15 +364,12 @@ class Batches:
     def _shard(self, epoch: int) -> list[int]:
         if not self.train:  # no padding: padded duplicates would be counted twice in the metrics
             return list(range(self.ctx.rank, self.size, self.ctx.world_size))
-        sampler = DistributedSampler(range(self.size), num_replicas=self.ctx.world_size, rank=self.ctx.rank,
-                                     shuffle=True, seed=self.seed, drop_last=True)
-        sampler.set_epoch(epoch)
-        return list(sampler)
+        return epoch_shard(self.size, self.ctx.rank, self.ctx.world_size, self.seed, epoch)
 
     def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> Iterator:
         """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels)."""
         stop_batch = self.num_batches if stop_batch is None else stop_batch
-        indices = self._shard(epoch)[start_batch * self.batch_size:stop_batch * self.batch_size]
+        indices = batch_range(self._shard(epoch), self.batch_size, start_batch, stop_batch)
         if self.memory is not None:
             order = torch.tensor(indices, dtype=torch.long, device=self.device)
             for begin in range(0, len(indices), self.batch_size):

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import logging
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, TypeVar
@@ -19,6 +21,7 @@ from trainer.errors import UsageError, env_int, first_line
 
 DEFAULT_MASTER_PORT = 29500
 T = TypeVar("T")
+log = logging.getLogger("trainer")
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,15 @@ def collective_failure(err: BaseException) -> str | None:
     return re.split(r"(?<=[.!?])\s+", first)[0][:300]  # gloo appends advice that ours replaces
 
 
+def rendezvous_failure(topology: Topology, err: BaseException, timeout_setting: str, timeout_s: float) -> str | None:
+    """The one line for a process group that could not form (None: err is some other error)."""
+    what = collective_failure(err)
+    if what is None:
+        return None
+    return (f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check MASTER_ADDR, MASTER_PORT "
+            f"and WORLD_SIZE, and that every rank started; {timeout_setting}, now {timeout_s:g} s, sets the wait)")
+
+
 def teardown(ctx: DistContext) -> None:
     import torch.distributed as dist
 
@@ -212,13 +224,23 @@ def barrier(ctx: DistContext) -> None:
 
 
 @contextlib.contextmanager
-def local_main_first(ctx: DistContext) -> Iterator[None]:
-    """The first process of each node runs the block (a download, say) before the others."""
-    if not ctx.is_local_main:
+def leader_first(ctx: DistContext, leader: bool) -> Iterator[None]:
+    """The processes with leader=True run the block before the others (every rank enters it)."""
+    if not leader:
         barrier(ctx)
     yield
-    if ctx.is_local_main:
+    if leader:
         barrier(ctx)
+
+
+def local_main_first(ctx: DistContext):
+    """The first process of each node runs the block (a download, say) before the others."""
+    return leader_first(ctx, ctx.is_local_main)
+
+
+def main_first(ctx: DistContext):
+    """Rank 0 runs the block (writing a shared file, say) before every other rank."""
+    return leader_first(ctx, ctx.is_main)
 
 
 def all_reduce_sum(ctx: DistContext, tensor):
@@ -228,6 +250,26 @@ def all_reduce_sum(ctx: DistContext, tensor):
     if ctx.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+class GracefulStop:
+    """SIGTERM (docker stop, torchrun shutdown) or SIGINT: finish the step, checkpoint, exit 0.
+
+    The built-in trainer and trainer.api both stop through it, agreeing on the step with StopVote."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def close(self) -> None:
+        """Training is over and saved: a late signal (our own agent's, see stop_host_agent) changes nothing."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+    def _request(self, signum, _frame):
+        self.requested = True
+        log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
 
 class StopVote:

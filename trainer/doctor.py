@@ -126,20 +126,22 @@ def shm_uses(training: TrainConfig, plan: LaunchPlan, gpus: int) -> tuple[int, i
     return loader, allreduce, uses
 
 
-def check_shm(training: TrainConfig, plan: LaunchPlan, gpus: int) -> Check:
+def check_shm(training: TrainConfig | None, plan: LaunchPlan, gpus: int) -> Check:
     # DataLoader workers hand batches over through /dev/shm: Docker's 64 MiB default kills them with
     # "bus error". CPU processes all on one host all-reduce gradients there (trainer/shm_allreduce.py);
     # without the room they fall back to gloo's slower TCP, so that shortfall only warns.
-    loader, allreduce, uses = shm_uses(training, plan, gpus)
+    # A user's script (training None) may start DataLoader workers of unknown need: below 1 GiB warns.
+    loader, allreduce, uses = shm_uses(training, plan, gpus) if training else (0, 0, [])
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
         return Check("shared memory", "warn", f"{SHM_DIR} not found", SHM_FIX)
     size, free, need = st.f_frsize * st.f_blocks, st.f_frsize * st.f_bavail, loader + allreduce
-    low = free < need or size < 2 * need or (loader > 0 and size < GIB)
+    low = free < need or size < 2 * need or ((loader > 0 or training is None) and size < GIB)
+    what = ("a script's DataLoader workers pass batches here (1 GiB or more)" if training is None else
+            f"need ~{_size(need)}: " + ("; ".join(uses) or "no DataLoader workers, no shared-memory all-reduce"))
     return _check("shared memory", "fail" if free < loader else "warn" if low else "pass",
-                  f"{SHM_DIR} {_size(size)} ({_size(free)} free), need ~{_size(need)}: "
-                  + ("; ".join(uses) or "no DataLoader workers, no shared-memory all-reduce"), SHM_FIX)
+                  f"{SHM_DIR} {_size(size)} ({_size(free)} free), {what}", SHM_FIX)
 
 
 RDMA_DEVICES = "/sys/class/infiniband"  # InfiniBand and RoCE adapters, the transports that lock memory
@@ -334,15 +336,19 @@ def check_same_versions(fingerprints: list[dict]) -> str | None:
     return f"version mismatch across ranks: {'; '.join(diffs)} (run the same image everywhere)"
 
 
-def run_checks(env: Mapping[str, str], training: TrainConfig | None = None) -> list[Check]:
-    """`training`: the options the run will use (the launcher's, validated); default: the environment's."""
-    training = training or load_config([], env, world_size=1)
+def run_checks(env: Mapping[str, str], training: TrainConfig | None = None, own_script: bool = False) -> list[Check]:
+    """`training`: the options the run will use (the launcher's, validated); default: the environment's.
+    own_script: the run is a user's script, whose options and folders are its own: only the checks of
+    the host, the topology and the network apply."""
+    training = None if own_script else training or load_config([], env, world_size=1)
     gpus = visible_gpu_count()
     fp = version_fingerprint() if gpus else _cpu_versions()
+    dirs = [] if training is None else [
+        check_dir("checkpoint dir", "--checkpoint-dir (TRAIN_CHECKPOINT_DIR)", training.checkpoint_dir),
+        check_dir("log dir", "--log-dir (TRAIN_LOG_DIR)", training.log_dir)]
     host = [
         *check_ulimits(gpus, env),
-        check_dir("checkpoint dir", "--checkpoint-dir (TRAIN_CHECKPOINT_DIR)", training.checkpoint_dir),
-        check_dir("log dir", "--log-dir (TRAIN_LOG_DIR)", training.log_dir),
+        *dirs,
         Check("versions", "pass", f"torch {fp['torch']}, CUDA {fp['cuda'] or 'none'}, "
               f"NCCL {fp['nccl'] or 'n/a'}, Python {fp['python']}"),
     ]

@@ -1,11 +1,21 @@
 """`trainer-launch`: the container entrypoint. Topology from the environment -> torchrun.
 
+    trainer-launch [TRAINING OPTIONS]          the built-in trainer (`python -m trainer`) on every process
+    trainer-launch my_train.py [ARGS]          your own script on every process (torchrun's convention)
+    trainer-launch -m mypkg.train [ARGS]       your own module, as `python -m mypkg.train` would run it
+
     NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
     MASTER_ADDR (127.0.0.1 on one node; required on several)  MASTER_PORT (29500)
     MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
+    TRAIN_SCRIPT (unset)  a script path, or -m and a module, used when the command line names none:
+                 TRAIN_SCRIPT=/workspace/src/train.py  or  TRAIN_SCRIPT="-m mypkg.train"
 
-Arguments after the launcher's own pass through to `python -m trainer`. The training options are
-validated here, before torchrun starts, so a mistake is one line and exit code 2, never a hang.
+The built-in trainer's options are validated here, before torchrun starts, so a mistake is one line
+and exit code 2, never a hang. A script's or module's arguments are its own; the launcher checks that
+the script is a file or that the module can be found (without running it), then runs it under the same
+torchrun, with the same topology, preflight, restarts and one-line failure summary naming the rank
+(after the script's own traceback). trainer.api gives such a script the built-in trainer's process
+group setup, resumable sampler, checkpoints, SIGTERM stop and TensorBoard logging.
 The launcher then replaces itself with torchrun (exec of trainer.supervisor, which is torchrun's own
 code in the same process), so signals reach torchrun directly.
 A container given RANK and WORLD_SIZE but no NNODES (one process per container) runs the worker itself.
@@ -14,6 +24,7 @@ A container given RANK and WORLD_SIZE but no NNODES (one process per container) 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shlex
 import socket
@@ -21,11 +32,14 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from trainer.config import FALSE_WORDS, TRUE_WORDS, TrainConfig, load_config
+from trainer.config import FALSE_WORDS, LAUNCHER_VARIABLES, TRUE_WORDS, TrainConfig, load_config
 from trainer.distributed import DEFAULT_MASTER_PORT, check_gpu_options, detect_topology
-from trainer.errors import UsageError, env_int, exit_on_usage_error, print_error
+from trainer.errors import UsageError, env_int, exit_on_usage_error, first_line, print_error
 
 DEFAULT_RDZV_TIMEOUT = 900
+SCRIPT_ENV = "TRAIN_SCRIPT"
+assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs accepts it
+BUILTIN = ("-m", "trainer")
 
 
 @dataclass(frozen=True)
@@ -83,7 +97,77 @@ def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> Launc
     return LaunchPlan(nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout)
 
 
-def torchrun_command(plan: LaunchPlan, trainer_args: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class Program:
+    """What every worker runs: `target` (a script path, or -m and a module) with `args`."""
+    target: tuple[str, ...]
+    args: tuple[str, ...]
+
+    @property
+    def builtin(self) -> bool:
+        return self.target == BUILTIN
+
+
+def choose_program(argv: Sequence[str], env: Mapping[str, str]) -> Program:
+    """The built-in trainer unless the command line (or else TRAIN_SCRIPT) names a script or module,
+    checked before any process starts: torchrun would otherwise start every rank to fail alike."""
+    if argv[:1] == ["-m"]:
+        if len(argv) < 2 or argv[1].startswith("-"):
+            raise UsageError("-m", "names no module", "give the module to run: trainer-launch -m mypkg.train ARGS")
+        return Program(checked_module(argv[1], "-m"), tuple(argv[2:]))
+    if argv and not argv[0].startswith("-"):
+        return Program(checked_script(argv[0], "script"), tuple(argv[1:]))
+    raw = env.get(SCRIPT_ENV, "").strip()
+    if not raw:
+        return Program(BUILTIN, tuple(argv))
+    if raw.split()[0] == "-m":
+        module = raw.split()[1:]
+        if len(module) != 1:
+            raise UsageError(SCRIPT_ENV, f"'{raw}' is not -m and one module name",
+                             'e.g. TRAIN_SCRIPT="-m mypkg.train"; arguments go on the command line')
+        return Program(checked_module(module[0], SCRIPT_ENV), tuple(argv))
+    return Program(checked_script(raw, SCRIPT_ENV), tuple(argv))
+
+
+def checked_script(path: str, setting: str) -> tuple[str, ...]:
+    where = f"'{path}'" if os.path.isabs(path) else f"'{path}' (in {os.getcwd()})"
+    if not os.path.exists(path):
+        raise UsageError(setting, f"{where} does not exist",
+                         "give the path of your training script, or -m and a module")
+    if not os.path.isfile(path):
+        raise UsageError(setting, f"{where} is not a file", "give the .py file to run, or -m and a module")
+    if not os.access(path, os.R_OK):
+        raise UsageError(setting, f"{where} cannot be read", f"make it readable by uid {os.getuid()}")
+    return (path,)
+
+
+def checked_module(name: str, setting: str) -> tuple[str, ...]:
+    """Found as `python -m` will look for it (the working directory first, then PYTHONPATH), not run.
+    Its parent packages are imported, as they would be in every worker."""
+    if name == BUILTIN[1]:
+        return BUILTIN
+    fix = "check the name, and that its folder is the working directory or on PYTHONPATH"
+    if name.endswith(".py") or os.sep in name:
+        fix = f"for a file, drop -m: trainer-launch {name}"
+    sys.path.insert(0, os.getcwd())
+    sys.dont_write_bytecode = True  # nothing written before the run starts, not even __pycache__
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec = importlib.util.find_spec(f"{name}.__main__")
+    except ModuleNotFoundError:
+        spec = None
+    except Exception as err:  # noqa: BLE001 (a parent package that fails to import, an invalid name)
+        raise UsageError(setting, f"cannot look for module '{name}' ({type(err).__name__}: {first_line(err)})",
+                         fix) from None
+    finally:
+        sys.path.remove(os.getcwd())
+    if spec is None:
+        raise UsageError(setting, f"no module named '{name}'", fix)
+    return ("-m", name)
+
+
+def torchrun_command(plan: LaunchPlan, args: Sequence[str], target: Sequence[str] = BUILTIN) -> list[str]:
     """Static rendezvous at MASTER_ADDR:MASTER_PORT: NODE_RANK decides the ranks, so rank 0 is on host 0."""
     return [
         "torchrun",
@@ -94,18 +178,26 @@ def torchrun_command(plan: LaunchPlan, trainer_args: Sequence[str]) -> list[str]
         f"--master-port={plan.master_port}",
         f"--max-restarts={plan.max_restarts}",
         f"--rdzv-conf=timeout={plan.rdzv_timeout}",
-        "-m", "trainer", *trainer_args,
+        *target, *args,
     ]
 
 
-def single_worker_command(trainer_args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "trainer", *trainer_args]
+def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) -> list[str]:
+    return [sys.executable, *target, *args]
 
 
-def build_command(env: Mapping[str, str], trainer_args: Sequence[str],
-                  gpu_count: Callable[[], int] = visible_gpu_count) -> tuple[list[str], TrainConfig, LaunchPlan | None]:
-    """The command to exec, the training options it runs with and its topology (None when this process is
-    the one worker), validated on the way."""
+def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count
+                  ) -> tuple[list[str], TrainConfig | None, LaunchPlan | None]:
+    """The command to exec, the training options it runs with (None for a user's script) and its topology
+    (None when this process is the one worker), validated on the way."""
+    program = choose_program(argv, env)
+    if not program.builtin:
+        if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
+            detect_topology(env)  # checks RANK and WORLD_SIZE
+            return single_worker_command(program.args, program.target), None, None
+        plan = plan_from_env(env, gpu_count)
+        return torchrun_command(plan, program.args, program.target), None, plan
+    trainer_args = list(program.args)
     if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
         cfg = load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
         return single_worker_command(trainer_args), cfg, None
@@ -130,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
-        print("\nTraining options (python -m trainer --help):")
+        print("\nThe built-in trainer's options (python -m trainer --help):")
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     with exit_on_usage_error():
         command, cfg, plan = build_command(os.environ, args)
@@ -161,10 +253,11 @@ def ensure_master_port_free(plan: LaunchPlan) -> None:
                              "MASTER_PORT, the same on every host") from None
 
 
-def run_preflight(cfg: TrainConfig) -> None:
+def run_preflight(cfg: TrainConfig | None) -> None:
+    """cfg None: a user's script, checked without the built-in trainer's options."""
     from trainer.doctor import format_table, run_checks
 
-    checks = run_checks(os.environ, cfg)
+    checks = run_checks(os.environ, cfg, own_script=cfg is None)
     failed = [c for c in checks if c.status == "fail"]
     if failed or any(c.status == "warn" for c in checks):
         print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,12 +37,10 @@ def run_worker(argv: list[str] | None) -> int:
         try:
             ctx = distributed.setup(topology, cfg.backend, cfg.collective_timeout)
         except Exception as err:
-            what = distributed.collective_failure(err)
-            if what is None:
+            message = distributed.rendezvous_failure(topology, err, "--collective-timeout", cfg.collective_timeout)
+            if message is None:
                 raise
-            print_error(f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check MASTER_ADDR, "
-                        f"MASTER_PORT and WORLD_SIZE, and that every rank started; --collective-timeout, now "
-                        f"{cfg.collective_timeout:g} s, sets the wait)")
+            print_error(message)
             return 1
     from trainer.checkpoint import CheckpointError
     from trainer.metrics import setup_logging
@@ -119,24 +116,6 @@ def on_main_then_share(ctx: DistContext, fn: Callable[[], Any]) -> Any:
     if kind == "failed":
         raise MainRankFailed(f"rank 0 failed ({value}); its log has the details")
     return value
-
-
-class GracefulStop:
-    """SIGTERM (docker stop, torchrun shutdown) or SIGINT: finish the step, checkpoint, exit 0."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request)
-
-    def close(self) -> None:
-        """Training is over and saved: a late signal (our own agent's, see stop_host_agent) changes nothing."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-
-    def _request(self, signum, _frame):
-        self.requested = True
-        log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
 
 class Diverged(Exception):
@@ -296,7 +275,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     scalars = Scalars(ctx, cfg.log_dir, purge_step=position.step + 1 if position.step else None)
     progress = Progress(ctx, total_steps, position.step)
     throughput = Throughput(cfg.samples_per_step, WARMUP_STEPS_EXCLUDED, sync)
-    stop = GracefulStop()
+    stop = distributed.GracefulStop()
     stop_vote = distributed.StopVote(ctx)
     loss_sum = torch.zeros((), device=ctx.device)  # stays on the device: no per-step host sync
     loss_count, train_loss, val_metrics = 0, None, {}
