@@ -377,3 +377,21 @@ def test_example_char_lm_is_not_an_image_model(tmp_path):
     summary = read_summary(tmp_path / "runs")
     # Uniform guessing over the ~30 characters costs ln(30) = 3.4 nats and is right 1 time in 30.
     assert summary["train_loss"] < 2.0 and summary["val_acc1"] > 0.4, json.dumps(summary)
+
+
+def test_a_scripts_checkpoint_is_refused_by_the_built_in_trainer(tmp_path):
+    """trainer.api writes step-N.pt files too; the built-in trainer pointed at them says whose they are."""
+    script = textwrap.dedent("""
+        import torch
+        from trainer import api
+        with api.Run(checkpoint_dir="checkpoints", log_dir="runs") as run:
+            model = torch.nn.Linear(2, 2)
+            run.resume(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            run.save()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and list((tmp_path / "checkpoints").glob("step-*.pt")), done.stderr
+    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
+                          *dirs_args(tmp_path)], tmp_path)
+    assert "checkpoint of a training script" in assert_usage_error(result, "--resume")

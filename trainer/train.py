@@ -83,6 +83,9 @@ def _workload(config: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def check_same_workload(cfg: TrainConfig, state: dict, path: Path) -> None:
+    if "config" not in state:  # trainer.api writes the same files for a user's own loop
+        raise UsageError("--resume", f"{path} is a checkpoint of a training script (trainer.api), not of the built-in "
+                         "trainer", "use another --checkpoint-dir, or run the script that wrote it")
     (saved_model, saved_data), (model, data) = _workload(state["config"]), _workload(cfg.as_dict())
     if (saved_model, saved_data) != (model, data):
         raise UsageError("--resume", f"{path} holds a {saved_model} trained on {saved_data}, this run is "
