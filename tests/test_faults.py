@@ -155,6 +155,9 @@ def test_the_failure_that_came_first_is_the_one_reported():
         "training failed: rank 1 was killed by SIGKILL (and 1 more); the signal came from outside the trainer", 1)
     crashed = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, 1, 100), 2: failure(2, 1, 101)}
     assert describe_child_failure(crashed)[0].startswith("training failed: rank 1 exited with code 1 (and 2 more)")
+    # Both exited with an error in one second; torchrun saw rank 1 first (rank 0 died of the stop it sent).
+    seen_first = {1: failure(1, 1, 100), 0: failure(0, 1, 100)}
+    assert describe_child_failure(seen_first)[0].startswith("training failed: rank 1 exited with code 1 (and 1 more)")
     earlier = {0: failure(0, -signal.SIGKILL, 101), 1: failure(1, 3, 100)}
     assert describe_child_failure(earlier) == (
         "training failed: rank 1 exited with code 3 (and 1 more); its own error is printed above", 3)

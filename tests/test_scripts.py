@@ -7,7 +7,6 @@ The user script is tests/user_code/loop.py: it records the sample indices of eve
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -313,8 +312,6 @@ def test_example_cifar_resnet_script(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed "
-                    "(pip install -e '.[test]')")
 def test_example_lightning_module_and_data_module(tmp_path):
     result = launch_ok([str(REPO / "examples/lightning_cifar/train.py"), "--max-epochs", "1", "--samples", "128",
                         "--batch-size", "16"], tmp_path)

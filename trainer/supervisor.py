@@ -28,16 +28,19 @@ def _arg(args: list[str], name: str) -> str:
 def _root_cause_first(item: tuple) -> tuple:
     """The root cause failed first. Once one rank fails, torchrun SIGTERMs the rest, and a rank that is
     already exiting over its lost peer dies of it; so within the same second (the timestamps' unit)
-    a rank killed from outside comes first, then one that exited with an error, then SIGTERM."""
-    rank, failure = item
+    a rank killed from outside comes first, then one that exited with an error, then SIGTERM; then the
+    one torchrun saw first (it records failures in the order it observed them: those it found failed
+    before it stopped the others come before those that died of the stop, whatever their exit code)."""
+    (rank, failure), observed = item
     code = failure.exitcode
     kind = 2 if code == -signal.SIGTERM else 0 if code < 0 else 1
-    return failure.timestamp, kind, rank
+    return failure.timestamp, kind, observed
 
 
 def describe_child_failure(failures: dict) -> tuple[str, int]:
-    """(message, exit code) for torchrun's ChildFailedError.failures: {global rank: ProcessFailure}."""
-    rank, failure = min(failures.items(), key=_root_cause_first)
+    """(message, exit code) for torchrun's ChildFailedError.failures: {global rank: ProcessFailure}, in the
+    order torchrun observed them."""
+    (rank, failure), _ = min(zip(failures.items(), range(len(failures))), key=_root_cause_first)
     code = failure.exitcode
     if code < 0:
         how = f"was killed by {signal.Signals(-code).name}"

@@ -190,7 +190,7 @@ def test_a_crashed_launcher_is_restarted_by_compose_and_resumes(make_project):
 def test_help_in_the_cpu_profile_shows_the_profiles_values(make_project):
     project = make_project("help")
     out = project.run("run", "--rm", "--no-deps", "trainer-cpu", "--help", timeout=120)
-    assert "Training options" in out.stdout, out.stdout + out.stderr
+    assert "The built-in trainer's options" in out.stdout, out.stdout + out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps the help lines
     for shown in ("[env TRAIN_MODEL=cnn here; default resnet18]", "[env TRAIN_EPOCHS=2 here; default 5]",
                   "[env TRAIN_LR=0.05 here; default 0.1]"):
