@@ -7,17 +7,21 @@ and torchrun's workers import from, as a user's would)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import (REPO, assert_same_params, assert_usage_error, clean_env, dirs_args, final_params, free_port,
-                     load_checkpoint, read_summary, run_trainer, train_ok, write_image_folder)
+from helpers import (REPO, assert_same_params, assert_usage_error, checkpoint_steps, clean_env, dirs_args,
+                     final_params, free_port, load_checkpoint, read_summary, run_trainer, train_ok,
+                     write_image_folder)
 from trainer.catalog import DataSpec, torchvision_models
 from trainer.errors import UsageError
 from trainer.models import build_model
@@ -218,6 +222,39 @@ def test_user_model_and_dataset_learn_and_resume_exactly(uninterrupted_user_run,
     train_ok([*USER_RUN, "--resume", str(root / "from" / f"step-{step:08d}.pt"), *dirs_args(root)], root, nproc=2)
     resumed = read_summary(root / "runs")
     assert (resumed["resumed_from_step"], resumed["global_step"]) == (step, USER_STEPS)
+    assert_same_params(final_params(root / "checkpoints"), final_params(uninterrupted_user_run / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_sigterm_with_dataloader_workers_checkpoints_and_resumes_exactly(uninterrupted_user_run, tmp_path):
+    """docker stop / a pre-empted node while DataLoader workers run (the default for users' datasets):
+    torchrun signals each worker's process group, the DataLoader workers too; the stop still checkpoints."""
+    root = with_user_module(tmp_path)
+    launcher = Path(sys.executable).with_name("trainer-launch")
+    command = [str(launcher), *USER_RUN, *dirs_args(root)]
+    env = clean_env({"MASTER_PORT": str(free_port())})
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoint_steps(root / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "DataLoader worker" not in stderr, stderr[-3000:]
+    stopped = read_summary(root / "runs")
+    assert stopped["status"] == "stopped", stderr[-3000:]
+    assert 7 <= stopped["global_step"] < USER_STEPS
+    assert max(checkpoint_steps(root / "checkpoints")) == stopped["global_step"]  # the stop committed its step
+    assert stderr.count("received SIGTERM") <= 2, stderr[-3000:]  # the two ranks, not their workers
+
+    train_ok([*USER_RUN, *dirs_args(root)], root, nproc=2)
+    resumed = read_summary(root / "runs")
+    assert (resumed["resumed_from_step"], resumed["global_step"]) == (stopped["global_step"], USER_STEPS)
     assert_same_params(final_params(root / "checkpoints"), final_params(uninterrupted_user_run / "checkpoints"))
 
 

@@ -42,6 +42,9 @@ Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_c
     .finish()                    commit the last step, leave the process group (the `with` block does it)
     .step_count .epoch .stopped
 ResumableSampler(size, batch_size, rank=0, world_size=1, seed=0), epoch_shard(...)  (trainer.sampling)
+dataloader_worker_init       DataLoader(..., num_workers=N, worker_init_fn=api.dataloader_worker_init):
+                             a stop (SIGTERM, Ctrl-C) reaches the training process only, which
+                             checkpoints (torchrun signals the workers' process group too)
 
 Checkpoints are committed atomically (temp file, fsync, rename) as step-<N>.pt, the newest
 keep_checkpoints kept; a torn or corrupt newest one is set aside and the one before it used.
@@ -63,7 +66,11 @@ from trainer.errors import UsageError, exit_on_usage_error, first_line, print_er
 from trainer.sampling import ResumableSampler, epoch_shard
 from trainer.supervisor import stop_host_agent
 
-__all__ = ["Run", "ResumableSampler", "epoch_shard", "UsageError"]
+__all__ = ["Run", "ResumableSampler", "epoch_shard", "dataloader_worker_init", "UsageError"]
+
+# DataLoader(..., worker_init_fn=api.dataloader_worker_init): with worker processes, a stop (SIGTERM,
+# Ctrl-C) must reach only the training process, which checkpoints; see GracefulStop.
+dataloader_worker_init = distributed.GracefulStop.dataloader_worker_init
 
 log = logging.getLogger("trainer")
 STATE_KEY = "objects"  # a script checkpoint's user state: {name given to resume(): state_dict}

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from trainer import catalog
 from trainer.catalog import DataSpec
 from trainer.config import LIGHT_AUGMENT_BELOW, TrainConfig
-from trainer.distributed import DistContext, local_main_first
+from trainer.distributed import DistContext, GracefulStop, local_main_first
 from trainer.errors import EchoedUsageError, UsageError, first_line
 from trainer.sampling import batch_range, epoch_shard
 
@@ -351,7 +351,8 @@ class Batches:
                 data if not in_memory else _MemoryAsDataset(data), batch_size=self.batch_size,
                 sampler=self.order, num_workers=workers, pin_memory=self.device.type == "cuda",
                 # Validation's workers live only while it runs: between them they would hold memory for nothing.
-                persistent_workers=train and workers > 0, drop_last=train, prefetch_factor=4 if workers else None)
+                persistent_workers=train and workers > 0, drop_last=train, prefetch_factor=4 if workers else None,
+                worker_init_fn=GracefulStop.dataloader_worker_init)
         # uint8 images are scaled to [0, 1] and normalised (where the spec gives mean and std), in
         # --channels-last layout on request; other inputs (floats, token ids) reach the model as they are.
         mean = torch.tensor(spec.mean or (0.0,), device=self.device).view(1, -1, 1, 1)

@@ -271,6 +271,15 @@ class GracefulStop:
         self.requested = True
         log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
+    @staticmethod
+    def dataloader_worker_init(worker_id: int) -> None:
+        """A DataLoader's worker_init_fn: its workers leave a stop to the training process. torchrun signals
+        each worker's whole process group, DataLoader workers included, and torch's own SIGTERM handler in
+        a worker dies of any SIGTERM but its parent's; the training process then fails on the dead worker
+        instead of checkpointing. A terminal's Ctrl-C reaches them too. Their parent shuts them down."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
 
 class StopVote:
     """Whether any rank wants to stop, agreed with one step of slack (CPU-side, no GPU sync).
