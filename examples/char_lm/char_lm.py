@@ -1,4 +1,4 @@
-"""A character-level language model (a small causal transformer) through the built-in training loop:
+r"""A character-level language model (a small causal transformer) through the built-in training loop:
 the stack is not image-only.
 
     cd examples/char_lm

@@ -1,4 +1,4 @@
-"""An MNIST auto-encoder (the Tampere tutorial's MLP) brought to the built-in training loop.
+r"""An MNIST auto-encoder (the Tampere tutorial's MLP) brought to the built-in training loop.
 
 Two factories, no loop of your own: the trainer does DDP, checkpoints, exact resume, validation and
 TensorBoard. From this folder, with MNIST's IDX files (as torchvision downloads them, .gz or not) in
