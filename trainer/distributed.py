@@ -274,11 +274,11 @@ class GracefulStop:
     @staticmethod
     def dataloader_worker_init(worker_id: int) -> None:
         """A DataLoader's worker_init_fn: its workers leave a stop to the training process. torchrun signals
-        each worker's whole process group, DataLoader workers included, and torch's own SIGTERM handler in
-        a worker dies of any SIGTERM but its parent's; the training process then fails on the dead worker
-        instead of checkpointing. A terminal's Ctrl-C reaches them too. Their parent shuts them down."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+        each worker's whole process group, DataLoader workers included, and torch's SIGTERM handler in a
+        DataLoader worker dies of any SIGTERM but its parent's: the training process then failed on the
+        dead worker instead of checkpointing. In a process group of its own, a worker gets neither that
+        signal nor a terminal's Ctrl-C; its parent shuts it down (and it exits when its parent dies)."""
+        os.setpgid(0, 0)
 
 
 class StopVote:
