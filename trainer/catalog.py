@@ -19,14 +19,16 @@ The factory protocols (README, "Your own model, data or script"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
+import os
 import re
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from trainer.errors import UsageError, UserCodeError
 
@@ -130,6 +132,11 @@ DATASETS: dict[str, DatasetEntry] = {
 }
 
 
+def in_memory(name: str) -> bool:
+    """Whether --dataset NAME is held in memory (the memory input path); users' datasets are read per sample."""
+    return name in DATASETS and DATASETS[name].in_memory
+
+
 def dataset_image_size(name: str, synthetic_image_size: int, image_size: int) -> int:
     entry = DATASETS[name]
     if entry.image_size is not None:
@@ -176,16 +183,26 @@ def check_dataset_name(name: str, setting: str) -> str:
                      f"{hint}your own data is module:function returning (train, val, spec)")
 
 
+@contextlib.contextmanager
+def importable_as_python_m() -> Iterator[None]:
+    """The working directory first on sys.path, as `python -m` and torchrun's workers have it, while the
+    block imports or looks up the user's code: a console script (trainer-launch, trainer-doctor) starts
+    without it, and the same name must resolve in both."""
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        sys.path.remove(cwd)
+
+
 def load_factory(path: str, setting: str) -> Callable:
     """The callable `module:attr.attr` names. Import problems are one line; an exception raised while the
     user's module runs keeps its traceback (it is their code) before that line."""
     module_name, _, attribute = path.partition(":")
-    if "" not in sys.path and "." not in sys.path:
-        # `python -m` and torchrun's workers put the working directory first; a console script
-        # (trainer-launch, trainer-doctor) does not: the same name must import in both.
-        sys.path.insert(0, "")
     try:
-        module = importlib.import_module(module_name)
+        with importable_as_python_m():
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
             raise UsageError(setting, f"cannot import '{module_name}' for {path} ({err})",

@@ -313,8 +313,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
         raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
                          "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
                          "which a run restarted after a failure needs")
-    in_memory = cfg.dataset in catalog.DATASETS and catalog.DATASETS[cfg.dataset].in_memory
-    if cfg.loader == "memory" and not in_memory:
+    if cfg.loader == "memory" and not catalog.in_memory(cfg.dataset):
         raise UsageError(setting("loader"), f"{cfg.dataset} is read sample by sample, not held in memory",
                          "use --loader dataloader or auto")
     if cfg.model == "autoencoder" and cfg.channels_last:

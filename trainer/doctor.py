@@ -76,8 +76,7 @@ def data_shape(training: TrainConfig) -> tuple[int, int, int] | None:
 
 def dataloader_workers(training: TrainConfig) -> int:
     """Worker processes per training process: only the dataloader input path starts any."""
-    entry = catalog.DATASETS.get(training.dataset)
-    in_memory = entry is not None and entry.in_memory
+    in_memory = catalog.in_memory(training.dataset)
     dataloader = training.loader == "dataloader" or (training.loader == "auto" and not in_memory)
     return training.num_workers if dataloader else 0
 

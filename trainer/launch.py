@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from trainer.catalog import importable_as_python_m
 from trainer.config import FALSE_WORDS, LAUNCHER_VARIABLES, TRUE_WORDS, TrainConfig, load_config
 from trainer.distributed import DEFAULT_MASTER_PORT, check_gpu_options, detect_topology
 from trainer.errors import UsageError, env_int, exit_on_usage_error, first_line, print_error
@@ -149,19 +150,17 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
     fix = "check the name, and that its folder is the working directory or on PYTHONPATH"
     if name.endswith(".py") or os.sep in name:
         fix = f"for a file, drop -m: trainer-launch {name}"
-    sys.path.insert(0, os.getcwd())
     sys.dont_write_bytecode = True  # nothing written before the run starts, not even __pycache__
     try:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
-            spec = importlib.util.find_spec(f"{name}.__main__")
+        with importable_as_python_m():
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+                spec = importlib.util.find_spec(f"{name}.__main__")
     except ModuleNotFoundError:
         spec = None
     except Exception as err:  # noqa: BLE001 (a parent package that fails to import, an invalid name)
         raise UsageError(setting, f"cannot look for module '{name}' ({type(err).__name__}: {first_line(err)})",
                          fix) from None
-    finally:
-        sys.path.remove(os.getcwd())
     if spec is None:
         raise UsageError(setting, f"no module named '{name}'", fix)
     return ("-m", name)
