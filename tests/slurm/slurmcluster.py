@@ -39,7 +39,8 @@ _clusters = itertools.count()
 
 # KillWait 30: what a stopped job gets between SIGTERM and SIGKILL, as torchrun gives its workers 30 s.
 # cred_expire 10 (default 120): how long a requeued job waits before it may start again; the default
-# would make every requeue test wait two minutes. The two partitions are for preemption: a job in
+# would make every requeue test wait two minutes; bf_interval 1 (default 30): the backfill scheduler,
+# which starts a requeued job once it may, looks every second. The two partitions are for preemption: a job in
 # `urgent` requeues a job in `batch`, which gets GraceTime seconds after its SIGTERM.
 SLURM_CONF = """\
 ClusterName=ddptest
@@ -63,6 +64,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none

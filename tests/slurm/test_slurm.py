@@ -82,29 +82,29 @@ def test_one_task_per_gpu_srun_python_m_trainer_trains_on_two_nodes(cluster, tmp
 
 def test_a_stopped_job_requeues_itself_and_its_next_run_resumes_at_the_committed_step(cluster, tmp_path):
     """`scancel --signal=TERM` is what #SBATCH --signal=TERM@120 sends before the time limit."""
-    job = Job(cluster, tmp_path, [*CPU_PER_GPU, str(PER_GPU), *training(12800)])  # 200 steps
+    job = Job(cluster, tmp_path, [*CPU_PER_GPU, str(PER_GPU), *training(3840)])  # 60 steps
     job.wait_for_checkpoint()
     cluster.run(["scancel", "--signal=TERM", job.id])
     # The run stops with a checkpoint, the script requeues the job and the next run finishes it.
     info = job.wait()
-    summary = assert_completed_on_both_nodes(job, info, steps=200)
+    summary = assert_completed_on_both_nodes(job, info, steps=60)
     assert info["Restarts"] == "1", info
     output = job.output()
     assert "requeueing job" in output and "(restart 1)" in output, output[-4000:]
     stopped_at = int(re.search(r"INFO stopped at step (\d+)", output).group(1))
-    assert 0 < stopped_at < 200
+    assert 0 < stopped_at < 60
     assert f"checkpoint committed: {tmp_path}/checkpoints/step-{stopped_at:08d}.pt" in output
     assert summary["resumed_from_step"] == stopped_at  # the exact step, not an earlier periodic checkpoint
 
 
 def test_a_preempted_job_checkpoints_in_its_grace_time_and_resumes_when_requeued(cluster, tmp_path):
-    job = Job(cluster, tmp_path, [*CPU_PER_GPU, str(PER_GPU), *training(12800)])
+    job = Job(cluster, tmp_path, [*CPU_PER_GPU, str(PER_GPU), *training(3840)])
     job.wait_for_checkpoint()
     # A job in the higher-priority partition that needs the same CPUs preempts the training job.
     urgent = Job(cluster, tmp_path / "urgent", ["--partition=urgent", "--nodes=2", "--ntasks-per-node=2",
                                                 "--job-name=ddp-train", "--wrap=srun true"])
     info = job.wait()
-    summary = assert_completed_on_both_nodes(job, info, steps=200)
+    summary = assert_completed_on_both_nodes(job, info, steps=60)
     assert urgent.info()["JobState"] == "COMPLETED"
     assert info["Restarts"] == "1", info
     output = job.output()
