@@ -78,11 +78,19 @@ def test_one_task_per_gpu_srun_python_m_trainer_trains_on_two_nodes(cluster, tmp
     assert "on node[1-2]: 4 training processes" in job.output()
 
 
+def test_one_task_per_node_srun_trainer_launch_trains_on_two_nodes(cluster, tmp_path):
+    job = Job(cluster, tmp_path, [*CPU_PER_NODE, str(PER_NODE), *training(640)])
+    summary = assert_completed_on_both_nodes(job, job.wait(), steps=10)
+    assert summary["resumed_from_step"] is None
+    assert "trainer-launch on 2 nodes" in job.output()
+
+
 # ------------------------------------------------------------------ stops, preemption, requeue
 
 def test_a_stopped_job_requeues_itself_and_its_next_run_resumes_at_the_committed_step(cluster, tmp_path):
-    """`scancel --signal=TERM` is what #SBATCH --signal=TERM@120 sends before the time limit."""
-    job = Job(cluster, tmp_path, [*CPU_PER_GPU, str(PER_GPU), *training(3840)])  # 60 steps
+    """`scancel --signal=TERM` is what #SBATCH --signal=TERM@120 sends before the time limit. One task
+    per node: the signal reaches torchrun and its workers."""
+    job = Job(cluster, tmp_path, [*CPU_PER_NODE, str(PER_NODE), *training(3840)])  # 60 steps
     job.wait_for_checkpoint()
     cluster.run(["scancel", "--signal=TERM", job.id])
     # The run stops with a checkpoint, the script requeues the job and the next run finishes it.
