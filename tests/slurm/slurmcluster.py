@@ -38,9 +38,9 @@ START_BOUND_S = 60
 _clusters = itertools.count()
 
 # KillWait 30: what a stopped job gets between SIGTERM and SIGKILL, as torchrun gives its workers 30 s.
-# cred_expire 10 (default 120): how long a requeued job waits before it may start again; the default
-# would make every requeue test wait two minutes; bf_interval 1 (default 30): the backfill scheduler,
-# which starts a requeued job once it may, looks every second. The two partitions are for preemption: a job in
+# cred_expire 5 (default 120): how long a requeued job waits before it may start again; the default
+# would make every requeue test wait two minutes; bf_interval 1 and sched_interval 2 (defaults 30 and
+# 60): the schedulers look for a job that may start (a requeued one, once it may) every second or two. The two partitions are for preemption: a job in
 # `urgent` requeues a job in `batch`, which gets GraceTime seconds after its SIGTERM.
 SLURM_CONF = """\
 ClusterName=ddptest
@@ -49,7 +49,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket},cred_expire=10
+AuthInfo=socket={munge_socket},cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
@@ -64,7 +64,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1
+SchedulerParameters=bf_interval=1,sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
@@ -86,7 +86,7 @@ class SlurmUnavailable(RuntimeError):
 
 
 def missing_requirements() -> str | None:
-    tools = ["slurmctld", "slurmd", "sbatch", "munged", "ip", "unshare"]
+    tools = ["slurmctld", "slurmd", "sbatch", "munged", "mungekey", "ip", "nsenter", "unshare"]
     absent = [tool for tool in tools if shutil.which(tool) is None]
     if absent:
         return f"{', '.join(absent)} not installed (apt-get install {PACKAGES})"
