@@ -13,13 +13,14 @@ cluster) serves all three through a socket file: file sockets cross network name
 Everything else lives in one directory (slurm.conf, state, spool, logs); SLURM_CONF names the config
 for the clients. Debian 12 packages: slurmctld slurmd slurm-client munge. Needs root (netns, bridge).
 
-    python tests/slurm/slurmcluster.py        start one, print how to reach it, stop it on Ctrl-C
+    python tests/slurmcluster.py        start one, print how to reach it, stop it on Ctrl-C or SIGTERM
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -274,6 +275,57 @@ class SlurmCluster:
         self._netns_made.clear()
 
 
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+JOB_BOUND_S = 240  # a hang becomes a failure; the jobs of the tests take 20-90 s on a loaded 2-core runner
+
+
+class SlurmJob:
+    """`sbatch ARGS` run in `root` from the user's shell: a clean environment (helpers.clean_env) with this
+    Python's bin first on PATH, as in an activated venv; sbatch hands that environment to the job.
+    Its output is root/<job name>-<id>.out (the scripts' --output=%x-%j.out)."""
+
+    def __init__(self, cluster: SlurmCluster, root: Path, sbatch_args: Sequence[str], name: str = "ddp-train",
+                 **env: str):
+        from helpers import clean_env
+
+        self.cluster, self.root, self.name = cluster, root, name
+        root.mkdir(exist_ok=True)
+        shell = clean_env({"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), **env})
+        done = cluster.run(["sbatch", "--parsable", *sbatch_args], env=shell, cwd=root)
+        self.id = done.stdout.strip().split(";")[0]
+
+    def info(self) -> dict[str, str]:
+        done = self.cluster.run(["scontrol", "show", "job", "--oneliner", self.id])
+        return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+
+    def output(self) -> str:
+        path = self.root / f"{self.name}-{self.id}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait(self, bound_s: float = JOB_BOUND_S) -> dict[str, str]:
+        """The job's final state (scontrol's fields), once it has one."""
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            info = self.info()
+            if info["JobState"] in FINISHED:
+                return info
+            time.sleep(0.5)
+        raise AssertionError(f"job {self.id} not finished within {bound_s:.0f} s: {self.info()}\n"
+                             f"{self.output()[-4000:]}\n{self.cluster.logs()}")
+
+    def assert_completed_on_both_nodes(self, summary_dir: Path, checkpoint_dir: Path, steps: int) -> dict:
+        """Completed, on node1 and node2, as one world of 4 gloo ranks that took `steps` steps."""
+        from helpers import checkpoint_steps, read_summary
+
+        info = self.wait()
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{self.output()[-4000:]}"
+        assert info["NodeList"] == "node[1-2]" and info["NumNodes"] == "2", info
+        summary = read_summary(summary_dir)
+        assert summary["status"] == "completed" and summary["world_size"] == 4 and summary["backend"] == "gloo"
+        assert summary["global_step"] == steps and checkpoint_steps(checkpoint_dir)[-1] == steps
+        return summary
+
+
 def main() -> int:
     reason = missing_requirements()
     if reason:
@@ -283,11 +335,10 @@ def main() -> int:
         print(f"cluster up; files in {cluster.root}\n"
               f"  SLURM_CONF={cluster.conf} ip netns exec {cluster.login_netns} sbatch ...   (login node)\n"
               f"  nodes: {', '.join(f'{n} (netns {ns})' for n, ns in cluster.node_netns.items())}\n"
-              "Ctrl-C stops it.", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
+              "Ctrl-C or SIGTERM stops it.", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a background job of a script ignores SIGINT
+            signal.signal(sig, lambda *_: sys.exit(0))
+        signal.pause()
     return 0
 
 
