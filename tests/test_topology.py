@@ -390,6 +390,12 @@ def test_dry_run_of_a_script_keeps_the_scripts_arguments(tmp_path):
     assert printed["command"][-2:] == ["train.py", "--dry-run"]  # the script's own --dry-run is its own
 
 
+def test_dry_run_anywhere_among_the_built_in_trainers_options(tmp_path):
+    result = launch(["--model", "cnn", "--dry-run"], {}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["command"][-4:] == ["-m", "trainer", "--model", "cnn"]
+
+
 def test_trainer_doctor_shows_the_resolved_topology_and_its_source(tmp_path):
     env = clean_env(srun_per_node(0, nodelist="localhost,nodeb"))
     result = subprocess.run([sys.executable, "-m", "trainer.doctor", "--json"], cwd=tmp_path, env=env,
