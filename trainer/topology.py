@@ -19,7 +19,8 @@ messages all get the topology from resolve(), which reads the environment in thi
      SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), tasks on this node from SLURM_STEP_TASKS_PER_NODE.
      Either way MASTER_PORT, unless set, is derived from SLURM_JOB_ID (slurm_port), so two jobs that
      share a node do not share a port.
-  5. a Kubernetes Indexed Job: JOB_COMPLETION_INDEX is the node rank (NNODES and MASTER_ADDR given).
+  5. a Kubernetes Indexed Job: JOB_COMPLETION_INDEX is the node rank (NNODES and MASTER_ADDR given;
+     NNODES=1 makes every index a run of its own).
   6. SkyPilot: SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (one per line, the first is
      the master), SKYPILOT_NUM_GPUS_PER_NODE.
   7. RANK and WORLD_SIZE alone: this process is that rank (one process per container).
@@ -140,11 +141,9 @@ def env_int(env: Mapping[str, str], var: str, default: int | None, minimum: int,
         if default is None:
             raise UsageError(_label(var, source), "is not set", _fix_for(var, source, "a whole number"))
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(_label(var, source), f"'{raw}' is not an integer",
-                         _fix_for(var, source, "a whole number")) from None
+    if not re.fullmatch(r"[+-]?[0-9]+", raw):  # int() would also take '1_000' and other digits than 0-9
+        raise UsageError(_label(var, source), f"'{raw}' is not an integer", _fix_for(var, source, "a whole number"))
+    value = int(raw)
     if value < minimum or (maximum is not None and value > maximum):
         bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
         raise UsageError(_label(var, source), f"{value} is out of range", _fix_for(var, source, f"a value {bounds}"))
@@ -331,12 +330,14 @@ class _Resolver:
             candidates.append(_Value(len(ips), "SKYPILOT_NODE_IPS", "skypilot"))
         return _agreed("node count", candidates)
 
-    def node_rank(self) -> _Value | None:
+    def node_rank(self, nnodes: _Value | None) -> _Value | None:
+        # An Indexed Job given NNODES=1 is a set of independent runs (a sweep): its index is no node rank.
+        index = None if nnodes is not None and nnodes.value == 1 else self.int("JOB_COMPLETION_INDEX", "indexed-job")
         return _agreed("node rank", [
             self.int("NODE_RANK", "explicit"), self.int("PET_NODE_RANK", self.pet),
             self.int("RANK", "pytorchjob") if self.pytorchjob else None,
             self.int("SLURM_NODEID", "slurm") if self.slurm else None,
-            self.int("JOB_COMPLETION_INDEX", "indexed-job"), self.int("SKYPILOT_NODE_RANK", "skypilot")])
+            index, self.int("SKYPILOT_NODE_RANK", "skypilot")])
 
     def nproc(self) -> _Value | None:
         """Processes per node as given (a number, or torchrun's word auto/cpu/gpu), None if no source says."""
@@ -407,7 +408,8 @@ class _Resolver:
         if started_by_torchrun(self.env):
             return self.from_torchrun()
         self.refuse_elastic()
-        nnodes, node_rank, nproc = self.nnodes(), self.node_rank(), self.nproc()
+        nnodes = self.nnodes()
+        node_rank, nproc = self.node_rank(nnodes), self.nproc()
         if self.slurm:
             self.check_slurm()
         if self.pytorchjob:
@@ -416,9 +418,11 @@ class _Resolver:
         n, r = (nnodes.value if nnodes else 1), (node_rank.value if node_rank else 0)
         if node_rank and r >= n:
             count = f"{nnodes.var}={n} ({nnodes.source})" if nnodes else "1 node (NNODES unset)"
-            raise UsageError(node_rank.label, f"node rank {r} is not below {count}",
-                             f"set {nnodes.var if nnodes else 'NNODES'} to the number of nodes; node ranks run "
-                             "from 0 to that number - 1")
+            fix = (f"set {nnodes.var if nnodes else 'NNODES'} to the number of nodes; node ranks run from 0 to "
+                   "that number - 1")
+            if node_rank.var == "JOB_COMPLETION_INDEX" and not nnodes:
+                fix = "set NNODES to the Job's completions for one run across its pods, or NNODES=1 for a run per pod"
+            raise UsageError(node_rank.label, f"node rank {r} is not below {count}", fix)
         kind = self.process_kind(nnodes is not None or node_rank is not None, nproc)
         if kind is None and self.role == WORKER and n > 1:
             raise UsageError(nnodes.label, f"{n} nodes, but `python -m trainer` is a single process",
