@@ -279,18 +279,23 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 JOB_BOUND_S = 240  # a hang becomes a failure; the jobs of the tests take 20-90 s on a loaded 2-core runner
 
 
+def user_shell() -> dict[str, str]:
+    """The environment of a user who activated this Python's venv (its bin first on PATH), clean of any
+    topology or training settings (helpers.clean_env). sbatch and srun hand it to the job."""
+    from helpers import clean_env
+
+    return clean_env({"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])})
+
+
 class SlurmJob:
-    """`sbatch ARGS` run in `root` from the user's shell: a clean environment (helpers.clean_env) with this
-    Python's bin first on PATH, as in an activated venv; sbatch hands that environment to the job.
+    """`sbatch ARGS` run in `root` from the user's shell (user_shell() plus `env`).
     Its output is root/<job name>-<id>.out (the scripts' --output=%x-%j.out)."""
 
     def __init__(self, cluster: SlurmCluster, root: Path, sbatch_args: Sequence[str], name: str = "ddp-train",
                  **env: str):
-        from helpers import clean_env
-
         self.cluster, self.root, self.name = cluster, root, name
         root.mkdir(exist_ok=True)
-        shell = clean_env({"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), **env})
+        shell = {**user_shell(), **env}
         done = cluster.run(["sbatch", "--parsable", *sbatch_args], env=shell, cwd=root)
         self.id = done.stdout.strip().split(";")[0]
 

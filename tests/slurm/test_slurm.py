@@ -9,13 +9,14 @@ the CPU image, is tests/containers/test_slurm_podman.py.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from fault_helpers import wait_until
 from helpers import REPO, checkpoint_steps
-from slurmcluster import FINISHED, JOB_BOUND_S, SlurmJob
+from slurmcluster import FINISHED, JOB_BOUND_S, SlurmJob, user_shell
 
 pytestmark = pytest.mark.slurm
 
@@ -43,6 +44,40 @@ def wait_for_checkpoint(job: SlurmJob) -> None:
 
 def stopped_at(job: SlurmJob) -> int:
     return int(re.search(r"INFO stopped at step (\d+)", job.output()).group(1))
+
+
+# ------------------------------------------------------------------ what the launcher reads from a real Slurm
+
+def per_task(labelled: str) -> dict[int, str]:
+    """srun --label's output (lines "<task>: ...", interleaved) split by task."""
+    tasks: dict[int, list[str]] = {}
+    for line in labelled.splitlines():
+        task, _, text = line.partition(": ")
+        tasks.setdefault(int(task), []).append(text)
+    return {task: "\n".join(lines) for task, lines in tasks.items()}
+
+
+def test_srun_trainer_launch_dry_run_resolves_each_node_from_slurms_own_variables(cluster, tmp_path):
+    done = cluster.run(["srun", "--label", "--nodes=2", "--ntasks-per-node=1", "trainer-launch", "--dry-run"],
+                       env=user_shell(), cwd=tmp_path)
+    plans = sorted((json.loads(text) for text in per_task(done.stdout).values()), key=lambda plan: plan["node_rank"])
+    assert [plan["node_rank"] for plan in plans] == [0, 1]
+    for plan in plans:
+        assert plan["source"] == "slurm" and plan["nnodes"] == 2 and plan["world_size"] == 4
+        assert plan["master_addr"] == "node1"  # the first host of node[1-2], parsed without scontrol
+        assert plans[0]["master_port"] == plan["master_port"] and 20000 <= plan["master_port"] < 29000
+        assert plan["sources"]["node_rank"] == "SLURM_NODEID (slurm)"
+    assert not checkpoint_steps(tmp_path / "checkpoints") and not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_trainer_launch_as_one_task_per_gpu_is_one_line_per_task_before_torchrun(cluster, tmp_path):
+    done = cluster.run(["srun", "--nodes=2", "--ntasks-per-node=2", "trainer-launch"], env=user_shell(),
+                       cwd=tmp_path, check=False)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 4 and len(set(errors)) == 1, done.stderr  # each task: the same one line, exit 2
+    assert errors[0].startswith("error: SLURM_STEP_NUM_TASKS (slurm): 4 tasks on 2 node(s)")
+    assert "Exited with exit code 2" in done.stderr and "Traceback" not in done.stderr + done.stdout
 
 
 # ------------------------------------------------------------------ the two modes, to completion
