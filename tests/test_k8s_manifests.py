@@ -11,10 +11,13 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 import k8s_manifests as k8s
+from helpers import clean_env
 from k8s_manifests import ROOT
 
 WORKLOADS = ("trainjob", "pytorchjob", "indexed-job")
@@ -145,3 +148,31 @@ def test_a_failed_pod_is_restarted_and_a_usage_error_is_not():
         in node["template"]["spec"]["podFailurePolicy"]["rules"]
     assert [r["onJobFailureReasons"] for r in jobset["failurePolicy"]["rules"] if r["action"] == "FailJobSet"] \
         == [["PodFailurePolicy"]]
+# ---------------------------------------------------------------------------------------------
+# The topology every pod resolves, through the launcher users run (trainer-launch --dry-run)
+
+def dry_run(env: dict[str, str]) -> dict:
+    """What `trainer-launch --dry-run` resolves in a pod with exactly this environment (no GPU here)."""
+    clean = {k: v for k, v in clean_env().items() if not k.startswith(("PET_", "SKYPILOT_", "JOB_COMPLETION_INDEX"))}
+    out = subprocess.run([sys.executable, "-m", "trainer.launch", "--dry-run"], env={**clean, **env},
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+SOURCE = {"trainjob": "torchrun-env", "pytorchjob": "pytorchjob", "indexed-job": "indexed-job"}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_each_pod_resolves_its_own_node_of_one_topology(workload):
+    pods = _pods(workload)
+    assert len(pods) == 2
+    resolved = [dry_run(pod.env) for pod in pods]
+    for pod, topology in zip(pods, resolved):
+        assert topology["node_rank"] == pod.index, topology
+        assert (topology["nnodes"], topology["nproc_per_node"]) == (2, 4), topology
+        assert topology["master_addr"] == k8s.master_host(workload, k8s.documents(k8s.MANIFESTS[workload]))
+        assert topology["master_port"] == 29500
+        assert SOURCE[workload] in topology["source"].split("+"), topology
+        assert topology["command"][:3] == ["torchrun", "--nnodes=2", f"--node-rank={pod.index}"]
+    assert len({(t["master_addr"], t["master_port"], t["source"]) for t in resolved}) == 1
