@@ -164,6 +164,18 @@ class TestEachControllerGivesTheTopologyItMeans:
         topology = resolve({"JOB_COMPLETION_INDEX": "3", "NNODES": "1"}, LAUNCHER, no_gpus)
         assert facts(topology)[:3] == (TORCHRUN, 1, 0)
 
+    @pytest.mark.parametrize("env, line", [
+        ({"NNODES": "2", "MASTER_ADDR": "h"}, "NNODES (explicit): 2 nodes, but `python -m trainer` is a single process"),
+        (trainer_v2(0), "PET_NNODES (torchrun-env): 2 nodes, but `python -m trainer` is a single process"),
+        (pytorchjob_v1(0), "PET_NPROC_PER_NODE (pytorchjob): 2 processes per pod, but `python -m trainer` is one"),
+        (sbatch_script(nodes=1, ntasks=4), "SLURM_NTASKS (slurm): 4 tasks, but this process runs in the batch script"),
+    ], ids=["explicit", "trainer-v2", "pytorchjob nproc 2", "sbatch script"])
+    def test_a_worker_started_where_a_launcher_belongs_says_so(self, env, line):
+        """Not a world of one that trains alone while the other nodes wait: the command to use instead."""
+        with pytest.raises(UsageError) as caught:
+            resolve(env, WORKER)
+        assert str(caught.value).startswith(line)
+
     def test_a_lone_worker_is_one_process(self):
         topology = resolve({}, WORKER)
         assert (topology.mode, topology.world_size, topology.distributed) == (DIRECT, 1, False)
@@ -376,6 +388,12 @@ def test_dry_run_of_a_script_keeps_the_scripts_arguments(tmp_path):
     printed = json.loads(result.stdout)
     assert printed["nproc_per_node"] == 3 and printed["sources"]["nproc_per_node"] == "NPROC_PER_NODE (explicit)"
     assert printed["command"][-2:] == ["train.py", "--dry-run"]  # the script's own --dry-run is its own
+
+
+def test_dry_run_anywhere_among_the_built_in_trainers_options(tmp_path):
+    result = launch(["--model", "cnn", "--dry-run"], {}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["command"][-4:] == ["-m", "trainer", "--model", "cnn"]
 
 
 def test_trainer_doctor_shows_the_resolved_topology_and_its_source(tmp_path):

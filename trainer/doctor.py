@@ -255,14 +255,16 @@ def check_interfaces(env: Mapping[str, str], nnodes: int) -> list[Check]:
 
 def check_master(plan: Topology) -> list[Check]:
     addr, port = plan.master_addr, plan.master_port
+    given = plan.sources.get("master_addr", "default")
+    where = "" if given.startswith(("default", "MASTER_ADDR")) else f" (from {given})"  # a controller's
     try:
         ips = sorted({i[4][0] for i in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)})
     except (OSError, UnicodeError) as e:
-        return [Check("MASTER_ADDR", "fail", f"{addr} does not resolve ({e})",
+        return [Check("MASTER_ADDR", "fail", f"{addr}{where} does not resolve ({e})",
                       "use node 0's IP, or a hostname every node resolves "
                       "(extra_hosts (compose) / --add-host (docker run))")]
     loop = plan.world_size > plan.local_world_size and plan.rank == 0 and all(_is_loopback(ip) for ip in ips)
-    rows = [_check("MASTER_ADDR", "warn" if loop else "pass", f"{addr} -> {', '.join(ips)}",
+    rows = [_check("MASTER_ADDR", "warn" if loop else "pass", f"{addr}{where} -> {', '.join(ips)}",
                    "loopback: other hosts cannot reach it; use this host's routable IP/hostname")]
     if plan.rank == 0:  # node 0 (rank 0) hosts the rendezvous store; everyone else must reach it
         return rows

@@ -194,12 +194,13 @@ def preflight_enabled(env: Mapping[str, str]) -> bool:
     raise UsageError("PREFLIGHT", f"'{raw}' is not a boolean", "use 1 to run trainer-doctor first or 0 to skip it")
 
 
-def split_dry_run(argv: Sequence[str]) -> tuple[bool, list[str]]:
+def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
     """--dry-run first, or anywhere among the built-in trainer's options (a script's arguments are its own)."""
     args = list(argv)
     if args[:1] == [DRY_RUN]:
         return True, args[1:]
-    if DRY_RUN in args and (not args or args[0].startswith("-")) and args[:1] != ["-m"]:
+    builtin = args[0].startswith("-") and args[0] != "-m" and not env.get(SCRIPT_ENV, "").strip() if args else False
+    if builtin and DRY_RUN in args:
         return True, [a for a in args if a != DRY_RUN]
     return False, args
 
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__.strip())
         print("\nThe built-in trainer's options (python -m trainer --help):")
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
-    dry_run, args = split_dry_run(args)
+    dry_run, args = split_dry_run(args, os.environ)
     with exit_on_usage_error():
         launch = build_command(os.environ, args)
         if dry_run:

@@ -29,8 +29,8 @@ def rendezvous_fix(env: Mapping[str, str]) -> str:
         rank = (topology.variables("node_rank") or ["NODE_RANK"])[0]
     except UsageError:
         same, rank = ["NNODES", "MASTER_ADDR", "MASTER_PORT"], "NODE_RANK"
-    return (f"start every host with the same {', '.join(same)}, {rank} 0 first; open the master port on the "
-            f"{rank} 0 host's firewall; raise RDZV_TIMEOUT for slow starts")
+    return (f"every host needs the same {', '.join(same)} and the host with {rank}=0 up; open the master port "
+            "in that host's firewall; raise RDZV_TIMEOUT for slow starts")
 
 
 def _arg(args: list[str], name: str) -> str:
