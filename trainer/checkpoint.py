@@ -256,7 +256,7 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _load_ours(path: Path) -> dict[str, Any]:
+def load_ours(path: Path) -> dict[str, Any]:
     """A checkpoint this trainer wrote; OSError if the file cannot be read, ValueError if it is something else.
     Of a sharded directory only its small state file is read (every rank reads its shards later)."""
     if path.is_dir():
@@ -275,7 +275,7 @@ def _load_ours(path: Path) -> dict[str, Any]:
     return state
 
 
-def _why_not(err: Exception) -> str:
+def why_not(err: Exception) -> str:
     """Why a file is not a checkpoint, in a few words. torch's weights_only refusal wraps its one useful
     line (the unpickler's) in paragraphs of advice about trusted sources."""
     text = str(err)
@@ -301,15 +301,15 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
     if resume != "auto":
         path = Path(resume)
         try:
-            return _load_ours(path), path
+            return load_ours(path), path
         except OSError as err:
             raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors all mean "not a checkpoint")
-            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint ({_why_not(err)})",
+            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint ({why_not(err)})",
                              "give a checkpoint written by this trainer, or --resume auto") from None
     for path in list_checkpoints(directory):
         try:
-            return _load_ours(path), path
+            return load_ours(path), path
         except OSError as err:
             raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001
@@ -325,5 +325,5 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
                                  f"moved aside ({rename_err.strerror})",
                                  "remove it, or make the checkpoint directory writable") from None
             log.warning("checkpoint %s does not load (%s); moved to %s, trying the previous one",
-                        path, _why_not(err), aside.name)
+                        path, why_not(err), aside.name)
     return None

@@ -15,13 +15,15 @@ unpickler, and `trainer.pt` is a weights_only file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -71,17 +73,17 @@ def _reader(directory: Path):
     return SafeReader(str(directory))
 
 
-def _planner(empty: bool = False):
+def _planner(only: str | None = None):
+    """DCP's planner, refusing non-tensor entries; with `only`, the one that builds the state from the
+    index (no model needed), of that top-level key alone."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-    base = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
-
-    class TensorsOnly(base):
+    class TensorsOnly(_EmptyStateDictLoadPlanner if only else DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             raise ValueError(f"{read_item.dest_index.fqn} is not a tensor (this trainer stores only tensors "
                              "through DCP)")
 
-    return TensorsOnly()
+    return TensorsOnly(keys={only}) if only else TensorsOnly()
 
 
 def missing_parts(directory: Path) -> str | None:
@@ -130,7 +132,8 @@ def load_into(model, optimizer, directory: Path, param_groups: list, kernels_kep
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state, _ = tensor_state(model, optimizer)  # the shapes and shards to fill
-    dcp.load(state, storage_reader=_reader(directory), planner=_planner())
+    with _one_process_quietly():
+        dcp.load(state, storage_reader=_reader(directory), planner=_planner())
     set_model_state_dict(model, state["model"])
     with kernels_kept(optimizer):
         set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": param_groups})
@@ -153,13 +156,24 @@ def load_full_into(model, optimizer, saved: dict[str, Any], kernels_kept) -> Non
         set_optimizer_state_dict(model, optimizer, converted, options=full)
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns that it is 'assuming the intent is to load in a single process' without a process
+    group: for one plain process, and trainer-export, it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
+        yield
+
+
 def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
     """The whole model state of a committed directory in this one process, no process group needed
     (trainer-export)."""
-    import torch.distributed.checkpoint as dcp
+    # dcp.load would fill a copy of an empty dict; torch's own dcp_to_torch_save calls this one.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty=True), no_dist=True)
+    with _one_process_quietly():
+        _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(only="model"), no_dist=True)
     return dict(state["model"])
 
 
@@ -187,7 +201,8 @@ def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx
 
     _raise_if(distributed.broadcast_from_main(ctx, prepare() if ctx.is_main else None))
     tensors, param_groups = tensor_state(model, optimizer)
-    dcp.save(tensors, storage_writer=FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True))
+    with _one_process_quietly():
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True))
 
     def commit() -> str | None:
         try:
