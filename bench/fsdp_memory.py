@@ -10,6 +10,11 @@ rounds; the peak RSS does a little.
 
     python -m bench.fsdp_memory --models resnet50 vit_b_16 --nproc 1 2 4 --out bench/results
 
+On a GPU (bench/gpu.sh section 4) the same runs use CUDA and nccl, --trainer-args pass settings such
+as '--amp bf16 --activation-checkpointing' to both strategies and --fsdp-args to fsdp alone, and
+--keep-going records a run that fails (out of memory) instead of stopping: the largest model that
+trains under fsdp and not under ddp.
+
 Throughput fsdp/ddp is the main harness's job, side by side and interleaved:
 
     python -m bench --nproc 2 --stacks trainer baseline --model resnet50 --batch-size 32 --steps 30 \\
@@ -45,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="training steps before counting (optimizer state "
                         "exists after the first)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--trainer-args", default="", help="trainer settings for both strategies")
+    parser.add_argument("--fsdp-args", default="", help="trainer settings for fsdp alone, e.g. --fsdp-cpu-offload")
+    parser.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # one run, under torchrun
     parser.add_argument("--strategy", choices=STRATEGIES, help=argparse.SUPPRESS)
@@ -73,23 +81,38 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.optim import build_optimizer
     from trainer.strategy import for_run
 
-    ctx = distributed.setup(distributed.detect_topology(os.environ), "gloo", 600)
+    import time
+
+    ctx = distributed.setup(distributed.detect_topology(os.environ), "auto", 600)
+    extra = shlex.split(args.trainer_args) + (shlex.split(args.fsdp_args) if args.strategy == "fsdp" else [])
     cfg = load_config(["--model", args.model, "--strategy", args.strategy, "--env-file", "/dev/null",
-                       "--synthetic-image-size", str(args.image_size), "--shm-allreduce", "false"],
+                       "--synthetic-image-size", str(args.image_size), "--shm-allreduce", "false", *extra],
                       {}, ctx.world_size)
     torch.manual_seed(0)
     model = build_model(args.model, synthetic_spec(args.image_size))
     forward = for_run(cfg, ctx, model).wrap(model)
     optimizer = build_optimizer(cfg, model)
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
-    labels = torch.randint(0, 10, (args.batch_size,))
-    for _ in range(args.steps):
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=ctx.device)
+    labels = torch.randint(0, 10, (args.batch_size,), device=ctx.device)
+    bf16 = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16")
+    started = 0.0
+    for step in range(args.steps):
+        if step == 1:  # the first step (allocation, compilation) is not timed
+            torch.cuda.synchronize() if ctx.device.type == "cuda" else None
+            started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(forward(images), labels).backward()
+        with bf16:
+            loss = torch.nn.functional.cross_entropy(forward(images).float(), labels)
+        loss.backward()
         optimizer.step()  # gradients kept: they are part of the state counted
+    torch.cuda.synchronize() if ctx.device.type == "cuda" else None
+    seconds = time.perf_counter() - started
     state = [t for per_param in optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
     row = {"params": local_bytes(model.parameters()), "grads": local_bytes(p.grad for p in model.parameters()),
-           "optimizer": local_bytes(state), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+           "optimizer": local_bytes(state), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "peak_gpu": torch.cuda.max_memory_allocated() if ctx.device.type == "cuda" else 0,
+           "samples_per_second": (args.steps - 1) * args.batch_size * ctx.world_size / seconds if seconds else 0.0,
+           "loss": loss.item()}
     rows = distributed.all_gather_objects(ctx, row)
     if ctx.is_main:
         Path(args.worker).write_text(json.dumps(rows) + "\n")
@@ -100,36 +123,51 @@ def run_once(model: str, strategy: str, nproc: int, args: argparse.Namespace, wo
     result = workdir / f"{model}-{strategy}-{nproc}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "bench.fsdp_memory", "--worker", str(result), "--model", model, "--strategy", strategy,
-               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
+               "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+               f"--trainer-args={args.trainer_args}", f"--fsdp-args={args.fsdp_args}"]
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
+        if args.keep_going:
+            print(f"failed: {model} {strategy} at {nproc} (exit {done.returncode})", flush=True)
+            return {"model": model, "strategy": strategy, "nproc": nproc, "failed": True}
         raise SystemExit(done.returncode if done.returncode > 0 else 1)
     rows = json.loads(result.read_text())
     state = [r["params"] + r["grads"] + r["optimizer"] for r in rows]
     return {"model": model, "strategy": strategy, "nproc": nproc, "state_bytes": max(state),
-            "peak_rss": max(r["peak_rss"] for r in rows), "ranks": rows}
+            "peak_rss": max(r["peak_rss"] for r in rows), "peak_gpu": max(r["peak_gpu"] for r in rows),
+            "samples_per_second": rows[0]["samples_per_second"], "ranks": rows, "failed": False}
 
 
 def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, str]:
     table = {}
+    keys = ("state_bytes", "peak_rss", "peak_gpu", "samples_per_second")
     lines = ["| model | processes | ddp state/rank (MiB) | fsdp state/rank (MiB) | fsdp/ddp state | "
-             "ddp peak RSS (MiB) | fsdp peak RSS (MiB) | fsdp/ddp RSS |", "|" + "---|" * 8]
+             "ddp peak RSS (MiB) | fsdp peak RSS (MiB) | ddp peak GPU (MiB) | fsdp peak GPU (MiB) | "
+             "fsdp/ddp samples/s |", "|" + "---|" * 10]
+    mib = 2 ** 20
+
+    def shown(cell: dict | None, key: str, scale: float = mib, digits: int = 1) -> str:
+        return "failed" if cell is None else f"{cell[key] / scale:.{digits}f}"
+
     for model in args.models:
         for nproc in args.nproc:
-            cell = {}
+            cell: dict[str, dict | None] = {}
             for strategy in STRATEGIES:
                 mine = [r for r in runs if (r["model"], r["strategy"], r["nproc"]) == (model, strategy, nproc)]
-                cell[strategy] = {key: statistics.median(r[key] for r in mine) for key in ("state_bytes", "peak_rss")}
-            ratios = {key: cell["fsdp"][key] / cell["ddp"][key] for key in ("state_bytes", "peak_rss")}
+                good = [r for r in mine if not r["failed"]]
+                cell[strategy] = {key: statistics.median(r[key] for r in good) for key in keys} if good else None
+            ratios = {key: cell["fsdp"][key] / cell["ddp"][key] if cell["ddp"] and cell["fsdp"] and cell["ddp"][key]
+                      else None for key in keys}
             table[f"{model}@{nproc}"] = {**cell, "fsdp/ddp": ratios}
-            mib = 2 ** 20
-            lines.append(f"| {model} | {nproc} | {cell['ddp']['state_bytes'] / mib:.1f} | "
-                         f"{cell['fsdp']['state_bytes'] / mib:.1f} | {ratios['state_bytes']:.3f} | "
-                         f"{cell['ddp']['peak_rss'] / mib:.0f} | {cell['fsdp']['peak_rss'] / mib:.0f} | "
-                         f"{ratios['peak_rss']:.3f} |")
+            ratio = lambda key: "-" if ratios[key] is None else f"{ratios[key]:.3f}"  # noqa: E731
+            lines.append(f"| {model} | {nproc} | {shown(cell['ddp'], 'state_bytes')} | "
+                         f"{shown(cell['fsdp'], 'state_bytes')} | {ratio('state_bytes')} | "
+                         f"{shown(cell['ddp'], 'peak_rss', digits=0)} | {shown(cell['fsdp'], 'peak_rss', digits=0)} | "
+                         f"{shown(cell['ddp'], 'peak_gpu', digits=0)} | {shown(cell['fsdp'], 'peak_gpu', digits=0)} | "
+                         f"{ratio('samples_per_second')} |")
     return table, "\n".join(lines) + "\n"
 
 

@@ -81,10 +81,12 @@ class Strategy:
         self.cfg, self.ctx, self.blocks = cfg, ctx, blocks
         self.wrapped: nn.Module | None = None
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module the training step calls; the optimizer is built on `model` after this."""
+    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format) -> nn.Module:
+        """Place the model on the device and return the module the training step calls; the optimizer
+        is built on `model` after this."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        model.to(self.ctx.device, memory_format=memory_format)
         self._checkpoint_activations()
         self.wrapped = model
         if self.ctx.distributed:
@@ -124,16 +126,21 @@ class Strategy:
 
 
 class FSDPStrategy(Strategy):
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format) -> nn.Module:
         self._checkpoint_activations()
         self.wrapped = model
         if not self.ctx.distributed:
+            model.to(self.ctx.device, memory_format=memory_format)
             log.info("--strategy fsdp in one plain process: nothing to shard over, the model stays whole "
                      "(its checkpoints are sharded directories all the same)")
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        # Not moved to the device whole: fully_shard moves each rank's shards there (or, offloaded, keeps
+        # them in host memory), so a model larger than one GPU never has to fit on one. The weights stay
+        # contiguous (fully_shard refuses channels_last ones); --channels-last inputs still make the
+        # convolutions run channels_last.
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         precision = MixedPrecisionPolicy()
         if self.cfg.amp == "bf16":

@@ -230,8 +230,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
 
     if cfg.sync_bn and ctx.distributed:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(ctx.device, memory_format=memory_format)
-    ddp_model = runner.wrap(model)  # fsdp shards model in place: the optimizer below holds this rank's shards
+    ddp_model = runner.wrap(model, memory_format)  # fsdp shards model in place: the optimizer holds this rank's shards
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     parts = checkpoint.Trainable(model, optimizer, scheduler, torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16"))
