@@ -321,3 +321,20 @@ def test_a_checkpoint_directory_missing_its_marker_or_a_shard_is_one_line(fsdp_r
                          timeout=60)
     assert str(gone) in assert_usage_error(result, "--resume")
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
+
+
+def test_every_world_size_reads_one_global_order_so_a_position_maps_exactly():
+    """The fact the resume at another world size rests on: with the global batch fixed, global batch k holds
+    the same samples at 1, 2 or 4 processes, and a checkpoint's position maps to the same sample."""
+    from trainer.sampling import epoch_shard
+
+    def global_batches(world_size: int, global_batch: int = 8, size: int = 100) -> list[set[int]]:
+        per_rank = global_batch // world_size
+        shards = [epoch_shard(size, rank, world_size, seed=3, epoch=1) for rank in range(world_size)]
+        return [{i for shard in shards for i in shard[k * per_rank:(k + 1) * per_rank]}
+                for k in range(size // global_batch)]
+
+    assert global_batches(1) == global_batches(2) == global_batches(4)
+    saved = {"epoch": 1, "batch": 6, "samples_per_batch": 8}  # 2 processes x 4 samples, grad-accum 2
+    assert checkpoint.resized_batch(saved, 8, grad_accum=2) == 6  # 4 processes x 2 samples: unchanged
+    assert checkpoint.resized_batch(saved, 16, grad_accum=1) == 3  # 4 x 4, no accumulation: 48 samples in

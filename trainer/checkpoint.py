@@ -112,13 +112,17 @@ def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfi
 
 def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
     """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
-    samples over all ranks (exact when that is unchanged)."""
+    samples over all ranks. Every world size reads one global order per epoch (sampling.epoch_shard:
+    global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact whenever the
+    samples already seen fill whole steps of the new size: always when the global batch is unchanged."""
     batch = state["batch"]
     if state["samples_per_batch"] != samples_per_batch:
-        batch = state["batch"] * state["samples_per_batch"] // samples_per_batch
+        seen = state["batch"] * state["samples_per_batch"]
+        batch = seen // samples_per_batch
         batch -= batch % grad_accum
-        log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
-                    "approximated (%d micro-batches in)", state["epoch"], batch)
+        if batch * samples_per_batch != seen:
+            log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
+                        "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
     return batch
 
 
