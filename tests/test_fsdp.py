@@ -282,10 +282,11 @@ def test_export_of_an_fsdp_resnet_loads_into_the_model_torchvision_builds(tmp_pa
 
 @pytest.mark.slow
 def test_export_of_a_ddp_file_and_of_an_fsdp_directory_give_the_models_weights(ddp_run, fsdp_run, tmp_path):
+    from trainer.export import main as trainer_export  # in this process: the resnet test runs the command
+
     for run, src in ((ddp_run, ddp_run / "checkpoints" / "step-00000020.pt"),
                      (fsdp_run, fsdp_run / "checkpoints" / "step-00000020")):
-        done = export(src, tmp_path / "out.pt", tmp_path)
-        assert done.returncode == 0, done.stderr
+        assert trainer_export([str(src), str(tmp_path / "out.pt")]) == 0
         exported = torch.load(tmp_path / "out.pt", weights_only=True)
         expected = final_params(run / "checkpoints") if src.is_file() else fsdp_full_params(run / "checkpoints")
         assert_same_params(exported, expected)
