@@ -266,6 +266,9 @@ def load_ours(path: Path) -> dict[str, Any]:
     if path.is_dir():
         from trainer import sharded
 
+        if list_checkpoints(path):
+            raise ValueError("a --checkpoint-dir holding checkpoints, not one checkpoint (give one of them, or "
+                             "the directory as --checkpoint-dir with --resume auto)")
         problem = sharded.missing_parts(path)
         if problem:
             raise ValueError(problem + (" (a save that did not finish)" if sharded.COMMIT_MARKER in problem else ""))
