@@ -80,10 +80,11 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.models import build_model
     from trainer.optim import build_optimizer
     from trainer.strategy import for_run
+    from trainer.topology import WORKER, resolve
 
     import time
 
-    ctx = distributed.setup(distributed.detect_topology(os.environ), "auto", 600)
+    ctx = distributed.setup(resolve(os.environ, WORKER), "auto", 600)
     extra = shlex.split(args.trainer_args) + (shlex.split(args.fsdp_args) if args.strategy == "fsdp" else [])
     cfg = load_config(["--model", args.model, "--strategy", args.strategy, "--env-file", "/dev/null",
                        "--synthetic-image-size", str(args.image_size), "--shm-allreduce", "false", *extra],

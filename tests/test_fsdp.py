@@ -208,8 +208,9 @@ from pathlib import Path
 from trainer import checkpoint, distributed
 from trainer.config import load_config
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.topology import WORKER, resolve
 
-ctx = distributed.setup(distributed.detect_topology(os.environ), "gloo", 60)
+ctx = distributed.setup(resolve(os.environ, WORKER), "gloo", 60)
 cfg = load_config(["--strategy", "fsdp", "--checkpoint-dir", sys.argv[1]], {}, ctx.world_size)
 from trainer.strategy import for_run
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
