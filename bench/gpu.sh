@@ -4,7 +4,10 @@
 #   2. the GPU-resident input path against the DataLoader path (ResNet-18, CIFAR-shaped data,
 #      bf16 + channels_last + torch.compile in both);
 #   3. ResNet-50 on ImageNet-shaped data with the recommended GPU settings (bf16, channels_last,
-#      torch.compile) against the fp32 hand-written DDP loop.
+#      torch.compile) against the fp32 hand-written DDP loop;
+#   4. --strategy fsdp: the largest ViT (bench.usermodel's 4, 8, 12 billion parameters) that trains on one
+#      GPU with fsdp + activation checkpointing + CPU offload and not with ddp (+ activation checkpointing);
+#   5. fsdp/ddp throughput, ResNet-50 224x224, bf16 + channels_last, one GPU.
 # Results (the harness's .md/.json and the logs) go to $OUT, or bench/results.
 #
 #     bash bench/gpu.sh          # all three
@@ -15,7 +18,7 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-sections=${*:-1 2 3}
+sections=${*:-1 2 3 4 5}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
@@ -46,4 +49,19 @@ if [[ " $sections " == *" 3 "* ]]; then
   echo "== 3. ResNet-50, 224x224: bf16 + channels_last + compile vs the fp32 hand-written loop"
   $python -m bench --nproc 1 --stacks trainer handwritten --model resnet50 --image-size 224 --batch-size 256 \
     --steps 25 --threads 4 --trainer-args '--amp bf16 --channels-last --compile' --out "$out"
+fi
+
+if [[ " $sections " == *" 4 "* ]]; then
+  echo "== 4. largest ViT that trains with fsdp (+ activation checkpointing, CPU offload) and not with ddp"
+  # A run that runs out of memory is recorded as failed, not fatal: that is the measurement.
+  $python -m bench.fsdp_memory --nproc 1 --image-size 224 --batch-size 8 --steps 3 --keep-going \
+    --models bench.usermodel:vit_4b bench.usermodel:vit_8b bench.usermodel:vit_12b \
+    --trainer-args='--amp bf16 --activation-checkpointing' --fsdp-args='--fsdp-cpu-offload' --out "$out"
+fi
+
+if [[ " $sections " == *" 5 "* ]]; then
+  echo "== 5. fsdp/ddp throughput, ResNet-50, 224x224, bf16 + channels_last (trainer/baseline = fsdp/ddp)"
+  $python -m bench --nproc 1 --stacks trainer baseline --model resnet50 --image-size 224 --batch-size 256 \
+    --steps 25 --threads 4 --trainer-args '--strategy fsdp --amp bf16 --channels-last' \
+    --baseline-args '--strategy ddp --amp bf16 --channels-last' --out "$out"
 fi

@@ -2,6 +2,8 @@
 
 Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
 At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
+Under --strategy fsdp a checkpoint is a directory of shards, committed by its marker (trainer.sharded);
+both kinds share the names, the rotation and the resume rules, and either strategy resumes either kind.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import torch
 from trainer.config import TrainConfig
 from trainer.distributed import DistContext
 from trainer.errors import UsageError, first_line, os_reason
-from trainer.optim import load_optimizer_state, load_scaler_state
+from trainer.optim import kernels_kept, load_optimizer_state, load_scaler_state
 
 log = logging.getLogger(__name__)
 
-NAME = re.compile(r"^step-(\d{8,})\.pt$")
+NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded directory
 TEMP_PREFIX = ".tmp-"
 FORMAT = 1  # the "format" key of every checkpoint this trainer writes
 LOCK_NAME = ".lock"
@@ -57,8 +59,13 @@ class Trainable:
 
 
 def snapshot(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    return {"format": FORMAT, "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
-            "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
+    return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+            **snapshot_rest(parts, pos, cfg, ctx)}
+
+
+def snapshot_rest(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    """Everything a checkpoint holds besides the model and optimizer tensors."""
+    return {"format": FORMAT, "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
             "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
             "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(), "rng": rng_state(ctx)}
 
@@ -79,10 +86,20 @@ def set_rng_state(ctx: DistContext, rng: dict[str, torch.Tensor]) -> None:
 
 def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfig, ctx: DistContext) -> Position:
     """Load a snapshot into parts; the position to continue from."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer import sharded
+    from trainer.strategy import is_sharded
+
     try:
-        parts.model.load_state_dict(state["model"])
-        load_optimizer_state(parts.optimizer, state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as err:
+        if path.is_dir():  # DCP reshards it for this world size and strategy
+            sharded.load_into(parts.model, parts.optimizer, path, state["param_groups"], kernels_kept)
+        elif is_sharded(parts.model):  # a --strategy ddp file into an fsdp run: converted, each rank its shard
+            sharded.load_full_into(parts.model, parts.optimizer, state, kernels_kept)
+        else:
+            parts.model.load_state_dict(state["model"])
+            load_optimizer_state(parts.optimizer, state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:
         raise UsageError("--resume", f"{path} does not fit this model ({first_line(err)})",
                          "use another --checkpoint-dir or --resume never") from None
     parts.scheduler.load_state_dict(state["scheduler"])
@@ -95,13 +112,17 @@ def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfi
 
 def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
     """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
-    samples over all ranks (exact when that is unchanged)."""
+    samples over all ranks. Every world size reads one global order per epoch (sampling.epoch_shard:
+    global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact whenever the
+    samples already seen fill whole steps of the new size: always when the global batch is unchanged."""
     batch = state["batch"]
     if state["samples_per_batch"] != samples_per_batch:
-        batch = state["batch"] * state["samples_per_batch"] // samples_per_batch
+        seen = state["batch"] * state["samples_per_batch"]
+        batch = seen // samples_per_batch
         batch -= batch % grad_accum
-        log.warning("world size or batch size changed since the checkpoint: the rest of epoch %d is "
-                    "approximated (%d micro-batches in)", state["epoch"], batch)
+        if batch * samples_per_batch != seen:
+            log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
+                        "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
     return batch
 
 
@@ -142,11 +163,48 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Committed checkpoints, newest first."""
+    """Committed checkpoints (files, and directories with their commit marker), newest first."""
+    from trainer.sharded import COMMIT_MARKER
+
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))
+             and (p.is_file() if m.group(2) else (p / COMMIT_MARKER).is_file())]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def save_sharded(directory: Path, step: int, parts: Trainable, pos: Position, cfg: TrainConfig,
+                 ctx: DistContext, keep: int) -> Path:
+    """Every rank writes its shard (trainer.sharded); rank 0 commits, rotates and cleans up."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer import sharded
+
+    final = directory / f"step-{step:08d}"
+    rest = snapshot_rest(parts, pos, cfg, ctx)
+    try:
+        sharded.save(directory, step, parts.model, parts.optimizer, rest, ctx, final)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        if ctx.is_main:
+            _remove(directory / f"{TEMP_PREFIX}{final.name}")
+        if _out_of_space(err, directory) or "No space left" in str(err):
+            raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
+                                  f"(free space in {directory}; older checkpoints are intact)") from None
+        raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
+                              f"writable directory for uid {os.getuid()} on every host; older checkpoints are "
+                              "intact)") from None
+    if ctx.is_main:
+        for old in list_checkpoints(directory)[keep:]:
+            _remove(old)
+        _remove_stale_temps(directory)
+    return final
 
 
 def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
@@ -159,7 +217,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except (OSError, RuntimeError) as err:
         with contextlib.suppress(OSError):
             temp.unlink(missing_ok=True)
@@ -169,7 +227,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
         raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
                               f"writable directory for uid {os.getuid()}; older checkpoints are intact)") from None
     for old in list_checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
+        _remove(old)
     _remove_stale_temps(directory)
     return final
 
@@ -183,7 +241,7 @@ def _out_of_space(err: BaseException, directory: Path) -> bool:
     return False
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -194,7 +252,7 @@ def _fsync_dir(directory: Path) -> None:
 def _remove_stale_temps(directory: Path) -> None:
     """Temp files left by a writer that was killed mid-save are never valid checkpoints."""
     for temp in directory.glob(f"{TEMP_PREFIX}*"):
-        temp.unlink(missing_ok=True)
+        _remove(temp)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -202,15 +260,29 @@ def load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _load_ours(path: Path) -> dict[str, Any]:
-    """A checkpoint this trainer wrote; OSError if the file cannot be read, ValueError if it is something else."""
+def load_ours(path: Path) -> dict[str, Any]:
+    """A checkpoint this trainer wrote; OSError if the file cannot be read, ValueError if it is something else.
+    Of a sharded directory only its small state file is read (every rank reads its shards later)."""
+    if path.is_dir():
+        from trainer import sharded
+
+        if list_checkpoints(path):
+            raise ValueError("a --checkpoint-dir holding checkpoints, not one checkpoint (give one of them, or "
+                             "the directory as --checkpoint-dir with --resume auto)")
+        problem = sharded.missing_parts(path)
+        if problem:
+            raise ValueError(problem + (" (a save that did not finish)" if sharded.COMMIT_MARKER in problem else ""))
+        state = sharded.load_state_file(path)
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError("a directory, but not a checkpoint written by this trainer")
+        return state
     state = load(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError("a torch file, but not a checkpoint written by this trainer")
     return state
 
 
-def _why_not(err: Exception) -> str:
+def why_not(err: Exception) -> str:
     """Why a file is not a checkpoint, in a few words. torch's weights_only refusal wraps its one useful
     line (the unpickler's) in paragraphs of advice about trusted sources."""
     text = str(err)
@@ -236,21 +308,23 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
     if resume != "auto":
         path = Path(resume)
         try:
-            return _load_ours(path), path
+            return load_ours(path), path
         except OSError as err:
             raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors all mean "not a checkpoint")
-            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint ({_why_not(err)})",
+            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint ({why_not(err)})",
                              "give a checkpoint written by this trainer, or --resume auto") from None
     for path in list_checkpoints(directory):
         try:
-            return _load_ours(path), path
+            return load_ours(path), path
         except OSError as err:
             raise _unreadable(path, err) from None
         except Exception as err:  # noqa: BLE001
             # Set aside, not deleted (someone may want to inspect it), and out of the rotation, which
             # would otherwise keep this highest step and delete the good checkpoints below it.
             aside = path.with_name(path.name + ".corrupt")
+            if aside.exists():  # set aside before (a copied-back directory): keep both
+                aside = path.with_name(f"{path.name}.corrupt.{os.getpid()}")
             try:
                 path.rename(aside)
             except OSError as rename_err:
@@ -258,5 +332,5 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
                                  f"moved aside ({rename_err.strerror})",
                                  "remove it, or make the checkpoint directory writable") from None
             log.warning("checkpoint %s does not load (%s); moved to %s, trying the previous one",
-                        path, _why_not(err), aside.name)
+                        path, why_not(err), aside.name)
     return None

@@ -98,6 +98,14 @@ class TrainConfig:
     local_sgd_period: int = option(0, "opt-in, changes numerics: after the LR warm-up, take local steps and "
                                    "average parameters every K steps instead of all-reducing gradients "
                                    "every step (post-local SGD; 0: off)")
+    strategy: str = option("ddp", "ddp: every process holds the whole model; fsdp: each of N processes holds 1/N "
+                           "of the parameters, gradients and optimizer state (FSDP2), for models whose training "
+                           "state does not fit one GPU; checkpoints become directories of shards",
+                           ("ddp", "fsdp"))
+    activation_checkpointing: bool = option(False, "recompute each block's activations in the backward pass "
+                                            "instead of keeping them (less memory, about a third more compute)")
+    fsdp_cpu_offload: bool = option(False, "fsdp: keep the sharded parameters, gradients and optimizer state in "
+                                    "host memory (slower; the GPU holds only the blocks running)")
 
     # Derived once the world size is known (not options).
     world_size: int = field(default=1, metadata={"derived": True})
@@ -304,11 +312,10 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
                              f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
     if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file():
-        problem = "is a directory" if Path(cfg.resume).is_dir() else "does not exist"
-        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' {problem}",
-                         "give a checkpoint file (step-*.pt), auto or never")
-    if cfg.resume == "never" and any(Path(cfg.checkpoint_dir).glob("step-*.pt")):
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
+                         "give a checkpoint (a step-* file or directory), auto or never")
+    if cfg.resume == "never" and any(Path(cfg.checkpoint_dir).glob("step-*")):
         # Rotation keeps the highest steps: a fresh run there would lose its own checkpoints first.
         raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
                          "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
@@ -316,6 +323,15 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     if cfg.loader == "memory" and not catalog.in_memory(cfg.dataset):
         raise UsageError(setting("loader"), f"{cfg.dataset} is read sample by sample, not held in memory",
                          "use --loader dataloader or auto")
+    if cfg.strategy == "fsdp" and cfg.sync_bn:
+        raise UsageError(setting("sync_bn"), "SyncBatchNorm is for --strategy ddp (fsdp shards the norm layers)",
+                         "drop --sync-bn, or use --strategy ddp")
+    if cfg.strategy == "fsdp" and cfg.local_sgd_period:
+        raise UsageError(setting("local_sgd_period"), "averages whole copies of the parameters, which no process "
+                         "holds under fsdp", "drop it, or use --strategy ddp")
+    if cfg.strategy != "fsdp" and cfg.fsdp_cpu_offload:
+        raise UsageError(setting("fsdp_cpu_offload"), "offloads fsdp's shards, and this run is --strategy ddp",
+                         "add --strategy fsdp, or drop it")
     if cfg.model == "autoencoder" and cfg.channels_last:
         raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
                          "drop --channels-last for --model autoencoder")

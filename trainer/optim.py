@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -20,7 +22,11 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # One fused kernel per tensor instead of several passes: the same update rule (equal up to float
     # rounding); on the CPU the default per-tensor loop costs ~5% more per ResNet-18 step (docs/benchmarks.md).
-    fused = next(model.parameters()).device.type in ("cpu", "cuda")
+    # fsdp's sharded parameters (DTensors) have no fused kernels, only the foreach ones.
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    fused = next(model.parameters()).device.type in ("cpu", "cuda") and not sharded
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), fused=fused)
     # Fused SGD and fp16's loss scaler do not mix: when the scaler skips an overflowing first step,
@@ -31,11 +37,17 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """The saved hyper-parameters and state, with this run's kernel choice kept: load_state_dict would
+    with kernels_kept(optimizer):
+        optimizer.load_state_dict(saved)
+
+
+@contextlib.contextmanager
+def kernels_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Loading saved hyper-parameters and state keeps this run's kernel choice: load_state_dict would
     take `fused` from the checkpoint, so an fp16 run resumed from an fp32 or bf16 checkpoint would
-    switch back to fused SGD (see build_optimizer)."""
+    switch back to fused SGD, and an fsdp run resumed from a ddp one to fused kernels (see build_optimizer)."""
     kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
+    yield
     for group, chosen in zip(optimizer.param_groups, kernels):
         group.update(chosen)
 

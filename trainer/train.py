@@ -130,7 +130,9 @@ def weights_are_finite(ctx: DistContext, model) -> bool:
     """Whether every rank's weights and buffers are finite; a collective, so every rank calls it."""
     import torch
 
-    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    from trainer.strategy import local_tensors
+
+    tensors = local_tensors(model)
     bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).sum(dtype=torch.float32).reshape(1)
     return distributed.all_reduce_sum(ctx, bad).item() == 0
 
@@ -154,11 +156,13 @@ def evaluate(model, batches, ctx: DistContext, autocast: Callable, objective) ->
     """Validation metrics over every rank's shard (a collective); accuracy where the outputs are class logits."""
     import torch
 
+    from trainer.strategy import evaluation_batches
+
     model.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=ctx.device)  # loss, top-1, top-5, samples, predictions
     classifies = False
     with torch.no_grad(), autocast():
-        for inputs, targets in batches.epoch(0):
+        for inputs, targets in evaluation_batches(model, batches, ctx):
             output = model(inputs)
             sums[0] += objective.per_sample(output, inputs, targets).sum()
             sums[3] += len(inputs)
@@ -178,9 +182,8 @@ def evaluate(model, batches, ctx: DistContext, autocast: Callable, objective) ->
 
 def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from trainer import checkpoint
+    from trainer import checkpoint, strategy
     from trainer.data import Batches, build_datasets
     from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
     from trainer.models import Objective, build_model
@@ -216,6 +219,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     # Built before anything is written: a factory that fails leaves no output directories behind.
     model = distributed.all_or_none(ctx, lambda: build_model(cfg.model, spec))
     objective = Objective(model, cfg.model)
+    runner = distributed.all_or_none(ctx, lambda: strategy.for_run(cfg, ctx, model))
     claimed = []  # rank 0's lock on the checkpoint directory, held until train() returns
 
     def prepare_outputs() -> None:
@@ -227,20 +231,13 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
 
     if cfg.sync_bn and ctx.distributed:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(ctx.device, memory_format=memory_format)
+    ddp_model = runner.wrap(model, memory_format)  # fsdp shards model in place: the optimizer holds this rank's shards
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     parts = checkpoint.Trainable(model, optimizer, scheduler, torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16"))
     position = checkpoint.restore(parts, *found, cfg, ctx) if found is not None else checkpoint.Position()
     resumed_from = last_committed = position.step if found is not None else None
     del found  # the model and optimizer hold their own copies now
-    ddp_model = model
-    if ctx.distributed:
-        ddp_model = DDP(model, device_ids=[ctx.device.index] if cuda else None, gradient_as_bucket_view=True)
-        if cfg.shm_allreduce:
-            from trainer.shm_allreduce import register_if_usable
-
-            register_if_usable(ddp_model, ctx)
     local_sgd = None
     if ctx.distributed and cfg.local_sgd_period:
         from trainer.local_sgd import PeriodicAveraging
@@ -248,7 +245,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         local_sgd = PeriodicAveraging(ctx, ddp_model, optimizer, cfg.local_sgd_period,
                                       warmup_length(cfg, total_steps), position.step)
     forward = local_sgd.forward if local_sgd else ddp_model
-    forward = torch.compile(forward) if cfg.compile else forward
+    forward = runner.compiled(forward)
 
     def autocast():
         return torch.autocast(ctx.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
@@ -265,10 +262,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             local_sgd.synchronise()  # the checkpoint holds rank 0's state: make it every rank's
         if not weights_are_finite(ctx, model):  # rotation would otherwise drop the good checkpoints
             raise diverged(pos.step)
-        if ctx.is_main:
-            state = checkpoint.snapshot(parts, pos, cfg, ctx)
-            path = checkpoint.save(Path(cfg.checkpoint_dir), pos.step, state, cfg.keep_checkpoints)
-            log.info("checkpoint committed: %s", path)
+        runner.save(parts, pos)
         last_committed = pos.step
         distributed.barrier(ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
@@ -297,8 +291,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         for inputs, labels in train_batches.epoch(epoch, micro, micro_per_epoch):
             micro += 1
             boundary = micro % cfg.grad_accum == 0
-            skip_sync = ddp_model.no_sync() if ctx.distributed and not boundary else contextlib.nullcontext()
-            with skip_sync:
+            with runner.no_sync(boundary):
                 with autocast():
                     loss = objective.per_sample(forward(inputs), inputs, labels).mean()
                 parts.scaler.scale(loss / cfg.grad_accum).backward()
@@ -360,7 +353,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     progress.close()
     scalars.close()
     summary = {
-        "status": status, "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+        "status": status, "strategy": cfg.strategy, "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
         "model": cfg.model, "dataset": cfg.dataset, "global_step": step, "epochs_completed": epochs_completed,
         "samples_seen": step * cfg.samples_per_step, "samples_per_second": throughput.samples_per_second(),
         "wall_seconds": time.perf_counter() - started, "train_loss": train_loss,
