@@ -375,9 +375,13 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.
             if stop > start and (stop + 1 - start) * 3 * h * w * dtype.itemsize > PAD_BUDGET_BYTES:
                 break
             height, width, stop = h, w, stop + 1
-        padded = torch.zeros(stop - start, 3, height, width, dtype=dtype, device=device)
+        padded = torch.empty(stop - start, 3, height, width, dtype=dtype, device=device)
         for i, image in enumerate(images[start:stop]):
-            padded[i, :, :image.shape[1], :image.shape[2]] = image
+            # Edges replicated, not zeros: bilinear samples at a box's far edge must not read black.
+            h, w = image.shape[1:]
+            padded[i, :, :h, :w] = image
+            padded[i, :, :h, w:] = padded[i, :, :h, w - 1:w]
+            padded[i, :, h:, :] = padded[i, :, h - 1:h, :]
         rois = torch.cat([torch.arange(stop - start, dtype=torch.float32, device=device)[:, None],
                           boxes[start:stop].to(device)], dim=1).to(dtype)
         out.append(roi_align(padded, rois, (side, side), spatial_scale=1.0, sampling_ratio=-1, aligned=True))
