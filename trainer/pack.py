@@ -137,6 +137,7 @@ def _pack_split(samples: list, dst: Path, split: str, max_side: int, workers: in
     os.truncate(index_path, records * 8 * RECORD)
     os.truncate(pixels_path, end)
     bar.update(records)
+    bar.refresh()  # where the pack continues, shown before the first new image
     todo = [(path, max_side) for path, _ in samples[records:]]
     with open(pixels_path, "ab") as pixels, open(index_path, "ab") as index, \
             get_context("spawn" if sys.platform == "darwin" else "fork").Pool(workers) as pool:
