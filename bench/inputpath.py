@@ -50,11 +50,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches first (workers start, queues fill)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every path (at least 3)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--make-data", type=Path, metavar="DIR", help="only generate the ImageNet-like folder "
+                        "(--images of them) in DIR, then exit (bench/gpu.sh trains on it)")
     parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # a single run, in a child process
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.one:
+    if args.one or args.make_data:
         return args
     if args.rounds < 3:
         raise UsageError("--rounds", f"{args.rounds} is too few for a median", "give 3 or more")
@@ -161,7 +163,7 @@ def prepare_data(args: argparse.Namespace) -> tuple[Path, Path | None, dict]:
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
-            imagenet_like_folder(root, args.images)
+            imagenet_like_folder(root, args.images, workers=os.cpu_count() or 1)
             (root / "done").write_text("")
     files = [p for p in (root / "train").rglob("*") if p.is_file()]
     facts["train_files"] = len(files)
@@ -245,6 +247,11 @@ def main(argv: list[str]) -> int:
         if args.one:
             result = run_one(args)
             args.result.write_text(json.dumps(result) + "\n")
+            return 0
+        if args.make_data:
+            from bench.common import imagenet_like_folder
+
+            imagenet_like_folder(args.make_data, args.images, workers=os.cpu_count() or 1)
             return 0
         prepare_out(args.out)
     from bench.run import describe_machine
