@@ -260,7 +260,10 @@ def nvjpeg_can_decode(geometry: tuple[int, int, int, int] | None) -> bool:
 @dataclass
 class FileBatch:
     """What a worker hands the training process for one batch of the GPU path (collate_files)."""
-    encoded: list[torch.Tensor]   # the JPEG bytes nvJPEG decodes, 1-D uint8
+    # The JPEG files nvJPEG decodes, end to end in one tensor: one shared-memory segment per batch from
+    # the worker, not one (and a file descriptor) per file.
+    encoded_bytes: torch.Tensor   # uint8
+    lengths: list[int]
     boxes: torch.Tensor           # float32 [len(encoded), 4]: x0, y0, x1, y1 in source pixels
     flips: torch.Tensor           # bool [len(encoded)]
     on_gpu: torch.Tensor          # long: positions in the batch of the encoded ones
@@ -269,8 +272,12 @@ class FileBatch:
     paths: list[str]              # of the encoded ones, to name a file nvJPEG refuses
     fallback: str                 # the first file of the batch that took the CPU path ("" if none)
 
+    @property
+    def encoded(self) -> list[torch.Tensor]:
+        return list(torch.split(self.encoded_bytes, self.lengths)) if self.lengths else []
+
     def pin_memory(self) -> "FileBatch":
-        self.encoded = [t.pin_memory() for t in self.encoded]
+        self.encoded_bytes = self.encoded_bytes.pin_memory()
         self.viewed, self.labels = self.viewed.pin_memory(), self.labels.pin_memory()
         return self
 
@@ -298,13 +305,14 @@ class GpuImageFolder(_ImageFolderWithKeys):
 
     def collate(self, samples: list) -> FileBatch:
         encoded = [s[0] for s in samples if s[1] is not None]
+        flat = torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8)
         plans = [s[1] for s in samples if s[1] is not None]
         viewed = torch.zeros(len(samples), 3, self.side, self.side, dtype=torch.uint8)
         for i, s in enumerate(samples):
             if s[1] is None:
                 viewed[i] = s[0]
         fallback = next((s[3] for s in samples if s[1] is None), "")
-        return FileBatch(encoded, plan_boxes(plans), torch.tensor([p.flip for p in plans], dtype=torch.bool),
+        return FileBatch(flat, [len(e) for e in encoded], plan_boxes(plans), torch.tensor([p.flip for p in plans], dtype=torch.bool),
                          torch.tensor([i for i, s in enumerate(samples) if s[1] is not None], dtype=torch.long),
                          viewed, torch.tensor([s[2] for s in samples], dtype=torch.long),
                          [s[3] for s in samples if s[1] is not None], fallback)
@@ -394,7 +402,7 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.
 def decode_views(batch: FileBatch, device: torch.device, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A FileBatch's views on the device: nvJPEG for the encoded ones (batched), the CPU's views for the rest."""
     images = batch.viewed.to(device, non_blocking=True)
-    if batch.encoded:
+    if batch.lengths:
         decoded = decode_jpegs(batch.encoded, batch.paths, device)
         crops = resized_crops(decoded, batch.boxes, batch.flips, side)
         images[batch.on_gpu.to(device, non_blocking=True)] = crops
