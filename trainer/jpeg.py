@@ -135,9 +135,8 @@ def resize_view(image: torch.Tensor, plan: ViewPlan, side: int, scale: float = 1
         pad = light_padding(side)
         dy, dx = plan.shift
         out = torch.nn.functional.pad(out, (pad, pad, pad, pad))[:, dy:dy + side, dx:dx + side]
-    if plan.flip:
-        out = out.flip(-1)
-    return out.contiguous()
+    # Left channels-last: the batch's collation copies it anyway (a .contiguous() here cost 0.1 ms a sample).
+    return out.flip(-1) if plan.flip else out
 
 
 def pil_rgb(image, path: str):
@@ -259,7 +258,7 @@ def nvjpeg_can_decode(geometry: tuple[int, int, int, int] | None) -> bool:
 
 @dataclass
 class FileBatch:
-    """What a worker hands the training process for one batch of the GPU path (collate_files)."""
+    """What a worker hands the training process for one batch of the GPU path (GpuImageFolder.collate)."""
     # The JPEG files nvJPEG decodes, end to end in one tensor: one shared-memory segment per batch from
     # the worker, not one (and a file descriptor) per file.
     encoded_bytes: torch.Tensor   # uint8
@@ -267,7 +266,8 @@ class FileBatch:
     boxes: torch.Tensor           # float32 [len(encoded), 4]: x0, y0, x1, y1 in source pixels
     flips: torch.Tensor           # bool [len(encoded)]
     on_gpu: torch.Tensor          # long: positions in the batch of the encoded ones
-    viewed: torch.Tensor          # uint8 [n, 3, side, side]: views the CPU path made (others: zeros)
+    viewed: torch.Tensor          # uint8 [k, 3, side, side]: the views the CPU path made, of the others
+    on_cpu: torch.Tensor          # long: their positions in the batch
     labels: torch.Tensor
     paths: list[str]              # of the encoded ones, to name a file nvJPEG refuses
     fallback: str                 # the first file of the batch that took the CPU path ("" if none)
@@ -304,18 +304,18 @@ class GpuImageFolder(_ImageFolderWithKeys):
         return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, path
 
     def collate(self, samples: list) -> FileBatch:
-        encoded = [s[0] for s in samples if s[1] is not None]
-        flat = torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8)
-        plans = [s[1] for s in samples if s[1] is not None]
-        viewed = torch.zeros(len(samples), 3, self.side, self.side, dtype=torch.uint8)
-        for i, s in enumerate(samples):
-            if s[1] is None:
-                viewed[i] = s[0]
-        fallback = next((s[3] for s in samples if s[1] is None), "")
-        return FileBatch(flat, [len(e) for e in encoded], plan_boxes(plans), torch.tensor([p.flip for p in plans], dtype=torch.bool),
-                         torch.tensor([i for i, s in enumerate(samples) if s[1] is not None], dtype=torch.long),
-                         viewed, torch.tensor([s[2] for s in samples], dtype=torch.long),
-                         [s[3] for s in samples if s[1] is not None], fallback)
+        gpu = [i for i, s in enumerate(samples) if s[1] is not None]
+        cpu = [i for i, s in enumerate(samples) if s[1] is None]
+        encoded = [samples[i][0] for i in gpu]
+        plans = [samples[i][1] for i in gpu]
+        return FileBatch(
+            torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8), [len(e) for e in encoded],
+            plan_boxes(plans), torch.tensor([p.flip for p in plans], dtype=torch.bool),
+            torch.tensor(gpu, dtype=torch.long),
+            torch.stack([samples[i][0] for i in cpu]) if cpu else torch.empty(0, 3, self.side, self.side,
+                                                                              dtype=torch.uint8),
+            torch.tensor(cpu, dtype=torch.long), torch.tensor([s[2] for s in samples], dtype=torch.long),
+            [samples[i][3] for i in gpu], samples[cpu[0]][3] if cpu else "")
 
     def stage(self, loader, device: torch.device):
         """The loader's FileBatches as (uint8 images, labels) on the device, one batch decoded ahead on a
@@ -401,7 +401,9 @@ def resized_crops(images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.
 
 def decode_views(batch: FileBatch, device: torch.device, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A FileBatch's views on the device: nvJPEG for the encoded ones (batched), the CPU's views for the rest."""
-    images = batch.viewed.to(device, non_blocking=True)
+    images = torch.empty(len(batch.labels), 3, side, side, dtype=torch.uint8, device=device)
+    if len(batch.on_cpu):
+        images[batch.on_cpu.to(device, non_blocking=True)] = batch.viewed.to(device, non_blocking=True)
     if batch.lengths:
         decoded = decode_jpegs(batch.encoded, batch.paths, device)
         crops = resized_crops(decoded, batch.boxes, batch.flips, side)

@@ -14,10 +14,10 @@ with one is complete. The trainer checks the files against pack.json before the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +86,8 @@ def pack(src: Path, dst: Path, max_side: int, workers: int, progress: bool = Tru
     from tqdm import tqdm
 
     if (dst / "pack.json").exists():
-        raise UsageError("DST", f"{dst} already holds a finished pack", "choose another folder, or remove it to re-pack")
+        raise UsageError("DST", f"{dst} already holds a finished pack",
+                         "choose another folder, or remove it to re-pack")
     listing = _listing(src)
     dst.mkdir(parents=True, exist_ok=True)
     settings = {"src": str(src.resolve()), "max_side": max_side,
@@ -124,16 +125,12 @@ def _pack_split(samples: list, dst: Path, split: str, max_side: int, workers: in
     pixels_path, index_path = dst / f"{split}.pixels.partial", dst / f"{split}.index.partial"
     pixels_path.touch()
     index_path.touch()
-    # Continue after the last whole image: records are written after their pixels, so a record is
-    # whole only if its pixels are; anything beyond is cut off.
-    records = index_path.stat().st_size // (8 * RECORD)
-    end = 0
-    if records:
-        last = np.fromfile(index_path, dtype="<i8", count=RECORD, offset=(records - 1) * 8 * RECORD)
-        end = int(last[0] + last[1] * last[2] * 3)
-        if pixels_path.stat().st_size < end:  # pixels lost after their record was written: redo that image
-            records -= 1
-            end = int(last[0])
+    # Continue after the last whole image: the whole records whose pixels are all there (a crash can
+    # leave half a record, or records whose pixels never reached the disk); anything beyond is cut off.
+    index = np.fromfile(index_path, dtype="<i8", count=index_path.stat().st_size // (8 * RECORD) * RECORD)
+    ends = np.cumsum(index.reshape(-1, RECORD)[:, 1] * index.reshape(-1, RECORD)[:, 2] * 3)
+    records = int(np.searchsorted(ends, pixels_path.stat().st_size, side="right"))
+    end = int(ends[records - 1]) if records else 0
     os.truncate(index_path, records * 8 * RECORD)
     os.truncate(pixels_path, end)
     bar.update(records)
@@ -252,7 +249,9 @@ class PackedImages:
         pixels, index = self._maps
         sample, epoch = key
         offset, height, width, label = (int(v) for v in index[sample])
-        image = torch.from_numpy(pixels[offset:offset + height * width * 3].reshape(height, width, 3))
+        with warnings.catch_warnings():  # a read-only map: nothing writes into the view (resize makes new tensors)
+            warnings.simplefilter("ignore", UserWarning)
+            image = torch.from_numpy(pixels[offset:offset + height * width * 3].reshape(height, width, 3))
         # Views are planned on the packed geometry: the same statistics (relative boxes) as the source's.
         plan = view_plan(sample_key(sample, epoch, self.seed), width, height, self.side, self.train, self.augment)
         return resize_view(image.permute(2, 0, 1), plan, self.side), label
