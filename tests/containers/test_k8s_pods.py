@@ -1,0 +1,227 @@
+"""The pods of k8s/'s manifests, simulated: real containers of the CPU image, each started with exactly
+the environment its controller gives the pod (the manifest's variables plus what the controller
+injects, tests/k8s_manifests.py), train together to completion over gloo; a pod killed mid-run and
+started again as its controller would resumes from the newest committed checkpoint.
+
+What stands in for the cluster:
+  * the pod network: one network namespace that only has a loopback interface, held by a "pause"
+    container as in a real pod, which every simulated pod joins, so the controllers' fixed port
+    (29500) is used as the manifests say without meeting anything else on the host; the pods' DNS
+    name for pod 0 (<job>-0.<service>, <job>-master-0, <trainjob>-node-0-0.<trainjob>) resolves to
+    loopback through /etc/hosts;
+  * the ReadWriteMany claims: two host directories mounted at /checkpoints and /runs in every pod;
+  * the manifests' CPU variant: what a user changes to run them without GPUs (the CPU image, 2
+    processes per node, a small model and data set); the topology variables are untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+import k8s_manifests as k8s
+from containerlib import CPU_IMAGE
+
+CPU_NPROC = 2
+TRAINING = {  # the CPU variant's options: 16 steps per epoch at 2 x 2 processes
+    "TRAIN_MODEL": "cnn", "TRAIN_DATASET": "synthetic", "TRAIN_SYNTHETIC_SIZE": "2048", "TRAIN_BATCH_SIZE": "32",
+    "TRAIN_LR": "0.05", "TRAIN_EPOCHS": "2", "TRAIN_LOG_EVERY": "4", "TRAIN_CHECKPOINT_EVERY": "8",
+}
+STEPS_PER_EPOCH = 2048 // (32 * 2 * CPU_NPROC)
+
+
+def cpu_variant(workload: str, training: dict[str, str]) -> list[dict]:
+    """The manifest as a user adapts it to a machine without GPUs: fewer processes per node, no GPU
+    resources, small training options. The topology the controller derives is left alone."""
+    docs = copy.deepcopy(k8s.documents(k8s.MANIFESTS[workload]))
+    extra = [{"name": k, "value": v} for k, v in training.items()]
+
+    def adapt(container: dict) -> None:
+        container.pop("resources", None)
+        kept = [e for e in container.get("env", []) if e["name"] not in training]
+        container["env"] = [{**e, "value": str(CPU_NPROC)} if e["name"] == "NPROC_PER_NODE" else e
+                            for e in kept] + extra
+
+    for doc in docs:
+        if doc["kind"] == "TrainJob":
+            doc["spec"]["trainer"]["numProcPerNode"] = CPU_NPROC
+            doc["spec"]["trainer"].pop("resourcesPerNode", None)
+            adapt(doc["spec"]["trainer"])
+        elif doc["kind"] == "PyTorchJob":
+            doc["spec"]["nprocPerNode"] = str(CPU_NPROC)
+            for spec in doc["spec"]["pytorchReplicaSpecs"].values():
+                for c in spec["template"]["spec"]["containers"]:
+                    adapt(c)
+        elif doc["kind"] == "Job":
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                adapt(c)
+    return docs
+
+
+class SimulatedPods:
+    """The pods a controller makes from one manifest, as containers in one loopback-only network."""
+
+    def __init__(self, client, workload: str, docs: list[dict], tmp: Path):
+        self.client, self.workload = client, workload
+        self.pods = k8s.pod_environments(workload, docs)
+        self.prefix = f"ddpt-k8s-{workload}-{uuid.uuid4().hex[:6]}"
+        self.checkpoints, self.runs = tmp / "checkpoints", tmp / "runs"
+        for d in (self.checkpoints, self.runs):
+            d.mkdir(parents=True)
+            d.chmod(0o777)  # the claims' fsGroup: writable by the pods' user
+        self.containers: dict[int, object] = {}
+        self.history: list[object] = []  # every container started, replaced ones included
+        self.pause = client.containers.run(
+            CPU_IMAGE, entrypoint=["sleep", "infinity"], name=f"{self.prefix}-pause", detach=True,
+            network_mode="none", extra_hosts={k8s.master_host(workload, docs): "127.0.0.1"},
+            labels={"ddpt-k8s": self.prefix})
+
+    def start(self, pod: k8s.Pod):
+        """A pod's container: the image's entrypoint (no command or args in the manifests), the pod's
+        user, its environment and nothing else."""
+        security = pod.pod_spec["securityContext"]
+        container = self.client.containers.run(
+            CPU_IMAGE, name=f"{self.prefix}-{pod.name}-{len(self.history)}", detach=True,
+            environment=pod.env, user=f"{security['runAsUser']}:{security['runAsGroup']}",
+            network_mode=f"container:{self.pause.id}", shm_size="1g",
+            volumes={str(self.checkpoints): {"bind": "/checkpoints", "mode": "rw"},
+                     str(self.runs): {"bind": "/runs", "mode": "rw"}},
+            labels={"ddpt-k8s": self.prefix})
+        self.containers[pod.index] = container
+        self.history.append(container)
+        return container
+
+    def start_all(self) -> None:
+        for pod in self.pods:
+            self.start(pod)
+
+    def state(self, index: int) -> dict:
+        container = self.containers[index]
+        container.reload()
+        return container.attrs["State"]
+
+    def logs(self, index: int) -> str:
+        return self.containers[index].logs().decode(errors="replace")
+
+    def all_logs(self) -> str:
+        return "\n".join(f"--- {c.name}\n{c.logs().decode(errors='replace')[-3000:]}" for c in self.history)
+
+    def wait(self, timeout: float, backoff_limit: int = 0) -> list[dict]:
+        """Until every pod's container has exited 0. A failed pod is started again with the same
+        environment, as its controller would, up to backoff_limit failures in all, each after the Job
+        controller's back-off: 10 s, doubling with every failure of the job (Kubernetes' job controller,
+        DefaultJobPodFailureBackOff; the kubelet's restart back-off for restartPolicy OnFailure is alike)."""
+        deadline, failures, due = time.monotonic() + timeout, 0, {}
+        while True:
+            states = {pod.index: self.state(pod.index) for pod in self.pods}
+            if all(s["Status"] == "exited" and s["ExitCode"] == 0 for s in states.values()):
+                return [states[p.index] for p in self.pods]
+            for pod in self.pods:
+                s = states[pod.index]
+                if s["Status"] == "exited" and s["ExitCode"] != 0 and pod.index not in due:
+                    assert s["ExitCode"] != 2, f"{pod.name}: a usage error\n{self.all_logs()}"
+                    failures += 1
+                    assert failures <= backoff_limit, (f"{pod.name} exited {s['ExitCode']}: failure {failures} "
+                                                       f"of a job with backoffLimit {backoff_limit}\n{self.all_logs()}")
+                    due[pod.index] = time.monotonic() + min(10.0 * 2 ** (failures - 1), 360.0)
+            for pod in self.pods:
+                if pod.index in due and time.monotonic() >= due[pod.index]:
+                    del due[pod.index]
+                    self.start(pod)
+            assert time.monotonic() < deadline, f"the pods did not finish in {timeout:.0f} s\n{self.all_logs()}"
+            time.sleep(0.5)
+
+    def remove(self) -> None:
+        for container in [*self.history, self.pause]:
+            try:
+                container.remove(force=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+@pytest.fixture
+def simulate(docker_client, cpu_image):
+    made: list[SimulatedPods] = []
+    tmp = Path(tempfile.mkdtemp(prefix="ddpt-k8s-"))
+    tmp.chmod(0o755)
+
+    def make(workload: str, training: dict[str, str] = TRAINING) -> SimulatedPods:
+        pods = SimulatedPods(docker_client, workload, cpu_variant(workload, training), tmp / f"{len(made)}")
+        made.append(pods)
+        return pods
+
+    yield make
+    for pods in made:
+        pods.remove()
+    shutil.rmtree(tmp, ignore_errors=True)  # files of uid 1000; may need root
+
+
+def _docker_time(stamp: str) -> datetime:
+    """Docker's RFC 3339 times carry nanoseconds, which datetime does not take."""
+    stamp = re.sub(r"(\.\d{6})\d*", r"\1", stamp).replace("Z", "+00:00")
+    return datetime.fromisoformat(stamp)
+
+
+def first_step_after_start(container) -> float:
+    """Seconds from the container's start to rank 0's 'first step done' line, by Docker's own clocks."""
+    container.reload()
+    started = _docker_time(container.attrs["State"]["StartedAt"])
+    for line in container.logs(timestamps=True).decode(errors="replace").splitlines():
+        if "first step done" in line:
+            return (_docker_time(line.split(" ", 1)[0]) - started).total_seconds()
+    raise AssertionError("no 'first step done' line in pod 0's log")
+
+
+def assert_each_pod_resolved_its_node(pods: SimulatedPods) -> None:
+    for pod in pods.pods:  # the launcher's one topology line, from this pod's controller variables
+        assert re.search(rf"^topology: nnodes=2 node_rank={pod.index} nproc_per_node={CPU_NPROC} world_size=4 ",
+                         pods.logs(pod.index), re.M), pods.logs(pod.index)[-2000:]
+
+
+# The Indexed Job's pods train to completion in the restart test below (one run, for CI's time).
+@pytest.mark.parametrize("workload", ["trainjob", "pytorchjob"])
+def test_the_pods_a_controller_makes_train_together_to_completion(simulate, workload):
+    pods = simulate(workload)
+    pods.start_all()
+    states = pods.wait(timeout=420)
+    assert [s["ExitCode"] for s in states] == [0, 0]
+    assert_each_pod_resolved_its_node(pods)
+    summary = json.loads((pods.runs / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 4 and summary["backend"] == "gloo"
+    assert summary["global_step"] == 2 * STEPS_PER_EPOCH and summary["resumed_from_step"] is None
+    print(f"\n{workload}: container start -> first training step {first_step_after_start(pods.containers[0]):.1f} s")
+
+
+def test_indexed_job_pods_train_together_and_a_killed_pod_resumes_from_the_last_checkpoint(simulate):
+    pods = simulate("indexed-job", {**TRAINING, "TRAIN_EPOCHS": "3"})  # the kill lands in the first epoch
+    pods.start_all()
+    deadline = time.monotonic() + 420
+    while not sorted(pods.checkpoints.glob("step-*.pt")):
+        assert time.monotonic() < deadline and pods.state(1)["Status"] == "running", pods.all_logs()
+        time.sleep(0.2)
+    committed = max(int(p.name[5:-3]) for p in pods.checkpoints.glob("step-*.pt"))
+    first_start = first_step_after_start(pods.containers[0])
+    assert_each_pod_resolved_its_node(pods)
+    pods.containers[1].kill()  # SIGKILL: what a node failure or an OOM kill does to the pod
+    # The Job controller replaces the failed pod; pod 0, whose collectives lost their peer, fails in
+    # turn and is replaced too (restartPolicy Never), each after the controller's back-off.
+    backoff_limit = k8s.one(k8s.documents(k8s.MANIFESTS["indexed-job"]), "Job")["spec"]["backoffLimit"]
+    states = pods.wait(timeout=420, backoff_limit=backoff_limit)
+    assert [s["ExitCode"] for s in states] == [0, 0]
+    assert len(pods.history) >= 4, "each pod fails (pod 0 on its lost peer) and is started again"
+    assert_each_pod_resolved_its_node(pods)  # the pods started again: same environment, same node
+    summary = json.loads((pods.runs / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 4
+    assert summary["global_step"] == 3 * STEPS_PER_EPOCH
+    assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= committed, summary
+    print(f"\nindexed-job: container start -> first training step {first_start:.1f} s; after the restart "
+          f"{first_step_after_start(pods.containers[0]):.1f} s (resumed at step {summary['resumed_from_step']})")

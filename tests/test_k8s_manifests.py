@@ -1,0 +1,178 @@
+"""The Kubernetes manifests in k8s/: they fit the APIs they are written for, keep the stack's promises
+(non-root, sized /dev/shm, checkpoints on a claim, TensorBoard on loopback, restarts that resume), and
+every pod a controller makes from them resolves to its own node of one topology.
+
+No cluster runs here: the schemas are the Kubernetes and Kubeflow API schemas, offline (k8s_manifests);
+tests/containers/test_k8s_pods.py runs the pods' environments in real containers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import k8s_manifests as k8s
+from helpers import clean_env
+from k8s_manifests import ROOT
+
+WORKLOADS = ("trainjob", "pytorchjob", "indexed-job")
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def image_uid_gid() -> tuple[int, int]:
+    text = DOCKERFILE.read_text()
+    return (int(re.search(r"^ARG TRAINER_UID=(\d+)$", text, re.M).group(1)),
+            int(re.search(r"^ARG TRAINER_GID=(\d+)$", text, re.M).group(1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The API schemas
+
+@pytest.mark.parametrize("version", k8s.kubernetes_versions())
+@pytest.mark.parametrize("manifest", sorted(k8s.MANIFESTS))
+def test_every_document_fits_the_kubernetes_and_kubeflow_schemas(manifest, version):
+    checks = list(k8s.checks(k8s.documents(k8s.MANIFESTS[manifest]), version))
+    assert checks
+    failed = {c.what: c.errors for c in checks if c.errors}
+    assert not failed, json.dumps(failed, indent=2)
+
+
+def _break(doc: dict, path: str, value=None, rename: str | None = None) -> dict:
+    """A copy of doc with the field at path (dots; [n] for list items) renamed or replaced."""
+    doc = copy.deepcopy(doc)
+    *parents, last = re.findall(r"[^.\[\]]+|\[\d+\]", path)
+    node = doc
+    for part in parents:
+        node = node[int(part[1:-1])] if part.startswith("[") else node[part]
+    if rename:
+        node[rename] = node.pop(last)
+    else:
+        node[last] = value
+    return doc
+
+
+MISTAKES = {
+    # A misspelt field is dropped by a lenient decoder and refused by the API server's strict field
+    # validation (kubectl's default); a wrong type is refused outright.
+    "trainjob-misspelt-numProcPerNode": ("trainjob", "TrainJob", "spec.trainer.numProcPerNode", None,
+                                         "numProcsPerNode"),
+    "trainjob-numNodes-string": ("trainjob", "TrainJob", "spec.trainer.numNodes", "two", None),
+    "runtime-misspelt-maxRestarts": ("trainjob", "TrainingRuntime", "spec.template.spec.failurePolicy.maxRestarts",
+                                     None, "maxRestart"),
+    "runtime-pod-misspelt-securityContext": (
+        "trainjob", "TrainingRuntime",
+        "spec.template.spec.replicatedJobs[0].template.spec.template.spec.securityContext", None, "securityContxt"),
+    "pytorchjob-misspelt-nprocPerNode": ("pytorchjob", "PyTorchJob", "spec.nprocPerNode", None, "nProcPerNodes"),
+    "pytorchjob-replicas-string": ("pytorchjob", "PyTorchJob", "spec.pytorchReplicaSpecs.Worker.replicas", "one", None),
+    "pytorchjob-pod-misspelt-volumes": ("pytorchjob", "PyTorchJob",
+                                        "spec.pytorchReplicaSpecs.Master.template.spec.volumes", None, "volume"),
+    "job-misspelt-completionMode": ("indexed-job", "Job", "spec.completionMode", None, "completionmode"),
+    "job-shm-medium-number": ("indexed-job", "Job", "spec.template.spec.volumes[0].emptyDir.medium", 5, None),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_the_schemas_refuse_a_manifest_with_a_mistake(mistake):
+    manifest, kind, path, value, rename = MISTAKES[mistake]
+    original = k8s.one(k8s.documents(k8s.MANIFESTS[manifest]), kind)
+    version = k8s.kubernetes_versions()[-1]
+    assert not [c for c in k8s.checks([original], version) if c.errors]
+    broken = _break(original, path, value, rename)
+    errors = [e for c in k8s.checks([broken], version) for e in c.errors]
+    assert errors, f"{mistake}: no schema refused it"
+    field = (rename or path.rsplit(".", 1)[-1]).split("[")[0]
+    assert any(field in e for e in errors), errors
+
+
+# ---------------------------------------------------------------------------------------------
+# The stack's promises, in every pod of every workload
+
+def _pods(workload: str) -> list[k8s.Pod]:
+    return k8s.pod_environments(workload, k8s.documents(k8s.MANIFESTS[workload]))
+
+
+def _claims() -> set[str]:
+    return {d["metadata"]["name"] for d in k8s.documents(k8s.MANIFESTS["storage"])
+            if d["kind"] == "PersistentVolumeClaim"}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_pods_run_as_the_images_user_with_shm_and_checkpoints_on_a_claim(workload):
+    uid, gid = image_uid_gid()
+    for pod in _pods(workload):
+        security = pod.pod_spec["securityContext"]
+        assert security["runAsNonRoot"] is True and (security["runAsUser"], security["runAsGroup"]) == (uid, gid)
+        assert security["fsGroup"] == gid  # the claims writable by that user
+        assert pod.container["securityContext"]["allowPrivilegeEscalation"] is False
+        volumes = {v["name"]: v for v in pod.pod_spec["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in pod.container["volumeMounts"]}
+        assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory" and mounts["/dev/shm"]["emptyDir"]["sizeLimit"]
+        # The image's own TRAIN_CHECKPOINT_DIR and TRAIN_LOG_DIR: rank 0 writes to the claims.
+        assert mounts["/checkpoints"]["persistentVolumeClaim"]["claimName"] in _claims()
+        assert mounts["/runs"]["persistentVolumeClaim"]["claimName"] in _claims()
+        assert not {"TRAIN_CHECKPOINT_DIR", "TRAIN_LOG_DIR", "TRAIN_RESUME"} & set(pod.env)  # resume: auto
+        assert pod.pod_spec["enableServiceLinks"] is False  # no Service can shadow MASTER_PORT
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_tensorboard_listens_on_loopback_beside_rank_0(workload):
+    pod0 = _pods(workload)[0]
+    [sidecar] = [c for c in pod0.pod_spec.get("initContainers", []) if c["name"] == "tensorboard"]
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the pod still completes
+    command = sidecar["command"]
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--port") + 1] == str(sidecar["ports"][0]["containerPort"]) == "6006"
+    assert {"name": "runs", "mountPath": "/runs", "readOnly": True} in sidecar["volumeMounts"]
+
+
+def test_a_failed_pod_is_restarted_and_a_usage_error_is_not():
+    docs = {w: k8s.documents(k8s.MANIFESTS[w]) for w in WORKLOADS}
+    job = k8s.one(docs["indexed-job"], "Job")["spec"]
+    assert job["backoffLimit"] > 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}} \
+        in job["podFailurePolicy"]["rules"]
+
+    pytorchjob = k8s.one(docs["pytorchjob"], "PyTorchJob")["spec"]
+    assert pytorchjob["runPolicy"]["backoffLimit"] > 0
+    assert {s["restartPolicy"] for s in pytorchjob["pytorchReplicaSpecs"].values()} == {"OnFailure"}
+
+    jobset = k8s.one(docs["trainjob"], "TrainingRuntime")["spec"]["template"]["spec"]
+    assert jobset["failurePolicy"]["maxRestarts"] > 0
+    [node] = jobset["replicatedJobs"]
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In", "values": [2]}} \
+        in node["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert [r["onJobFailureReasons"] for r in jobset["failurePolicy"]["rules"] if r["action"] == "FailJobSet"] \
+        == [["PodFailurePolicy"]]
+# ---------------------------------------------------------------------------------------------
+# The topology every pod resolves, through the launcher users run (trainer-launch --dry-run)
+
+def dry_run(env: dict[str, str]) -> dict:
+    """What `trainer-launch --dry-run` resolves in a pod with exactly this environment (no GPU here)."""
+    clean = {k: v for k, v in clean_env().items() if not k.startswith(("PET_", "SKYPILOT_", "JOB_COMPLETION_INDEX"))}
+    out = subprocess.run([sys.executable, "-m", "trainer.launch", "--dry-run"], env={**clean, **env},
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+SOURCE = {"trainjob": "torchrun-env", "pytorchjob": "pytorchjob", "indexed-job": "indexed-job"}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_each_pod_resolves_its_own_node_of_one_topology(workload):
+    pods = _pods(workload)
+    assert len(pods) == 2
+    resolved = [dry_run(pod.env) for pod in pods]
+    for pod, topology in zip(pods, resolved):
+        assert topology["node_rank"] == pod.index, topology
+        assert (topology["nnodes"], topology["nproc_per_node"]) == (2, 4), topology
+        assert topology["master_addr"] == k8s.master_host(workload, k8s.documents(k8s.MANIFESTS[workload]))
+        assert topology["master_port"] == 29500
+        assert SOURCE[workload] in topology["source"].split("+"), topology
+        assert topology["command"][:3] == ["torchrun", "--nnodes=2", f"--node-rank={pod.index}"]
+    assert len({(t["master_addr"], t["master_port"], t["source"]) for t in resolved}) == 1
