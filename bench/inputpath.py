@@ -112,14 +112,15 @@ def run_one(args: argparse.Namespace) -> dict:
 
     from trainer.config import load_config
     from trainer.data import Batches, build_datasets
-    from trainer.distributed import DistContext, Topology
+    from trainer.distributed import DistContext
+    from trainer.topology import WORKER, resolve
 
     device = torch.device("cuda" if args.one == "gpu" else "cpu")
     dataset = ["--dataset", "packed"] if args.one == "packed" else ["--dataset", "imagefolder", "--decode", args.one]
     cfg = load_config(["--env-file", os.devnull, *dataset, "--data-dir", str(args.root), "--image-size",
                        str(args.image_size), "--batch-size", str(args.batch_size), "--num-workers",
                        str(args.workers)], {}, world_size=1)
-    ctx = DistContext(Topology(0, 0, 1, 1, "127.0.0.1", 29500, "single"), "none", device)
+    ctx = DistContext(resolve({}, WORKER), "none", device)  # one process, no process group
     train, val, spec = build_datasets(cfg, ctx)
     # The dataset decides the transforms (its split's); Batches' training mode keeps the workers alive
     # between epochs, so a small validation split times decoding, not worker start-up.

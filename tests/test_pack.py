@@ -18,7 +18,8 @@ from helpers import (assert_usage_error, clean_env, dirs_args, read_summary, run
 from trainer import pack
 from trainer.config import load_config
 from trainer.data import Batches, build_datasets
-from trainer.distributed import DistContext, Topology
+from trainer.distributed import DistContext
+from trainer.topology import WORKER, resolve
 
 CPU = torch.device("cpu")
 
@@ -29,8 +30,10 @@ def trainer_pack(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def context(rank: int = 0, world_size: int = 1) -> DistContext:
-    launcher = "single" if world_size == 1 else "torchrun"
-    return DistContext(Topology(rank, rank, world_size, world_size, "127.0.0.1", 29500, launcher), "none", CPU)
+    """Rank facts without a process group (as tests/test_data.py makes them)."""
+    ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+             "LOCAL_WORLD_SIZE": str(world_size)} if world_size > 1 else {}
+    return DistContext(resolve(ranks, WORKER), "none", CPU)
 
 
 @pytest.fixture
