@@ -10,7 +10,7 @@ rounds; the peak RSS does a little.
 
     python -m bench.fsdp_memory --models resnet50 vit_b_16 --nproc 1 2 4 --out bench/results
 
-On a GPU (bench/gpu.sh section 4) the same runs use CUDA and nccl, --trainer-args pass settings such
+On a GPU (bench/gpu.sh section 6) the same runs use CUDA and nccl, --trainer-args pass settings such
 as '--amp bf16 --activation-checkpointing' to both strategies and --fsdp-args to fsdp alone, and
 --keep-going records a run that fails (out of memory) instead of stopping: the largest model that
 trains under fsdp and not under ddp.

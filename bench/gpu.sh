@@ -5,12 +5,16 @@
 #      bf16 + channels_last + torch.compile in both);
 #   3. ResNet-50 on ImageNet-shaped data with the recommended GPU settings (bf16, channels_last,
 #      torch.compile) against the fp32 hand-written DDP loop;
-#   4. --strategy fsdp: the largest ViT (bench.usermodel's 4, 8, 12 billion parameters) that trains on one
+#   4. ResNet-50 at those settings on a folder of ImageNet-like JPEG files (500x375, ~80 KiB, nvJPEG
+#      decoding: --decode auto) against the same run on synthetic 224x224 tensors (goal: >= 0.90), at
+#      most 16 CPU cores; then the CPU decoding path (--decode cpu) against synthetic, for the record;
+#   5. the input path alone (python -m bench --input): pil, cpu, packed and gpu, images/s per core.
+#   6. --strategy fsdp: the largest ViT (bench.usermodel's 4, 8, 12 billion parameters) that trains on one
 #      GPU with fsdp + activation checkpointing + CPU offload and not with ddp (+ activation checkpointing);
-#   5. fsdp/ddp throughput, ResNet-50 224x224, bf16 + channels_last, one GPU.
+#   7. fsdp/ddp throughput, ResNet-50 224x224, bf16 + channels_last, one GPU.
 # Results (the harness's .md/.json and the logs) go to $OUT, or bench/results.
 #
-#     bash bench/gpu.sh          # all three
+#     bash bench/gpu.sh          # all seven
 #     bash bench/gpu.sh 1 2      # some
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +22,7 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-sections=${*:-1 2 3 4 5}
+sections=${*:-1 2 3 4 5 6 7}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
@@ -51,16 +55,42 @@ if [[ " $sections " == *" 3 "* ]]; then
     --steps 25 --threads 4 --trainer-args '--amp bf16 --channels-last --compile' --out "$out"
 fi
 
+if [[ " $sections " == *" 4 "* || " $sections " == *" 5 "* ]]; then
+  # 20000 training images: one epoch is longer than the timed window (no epoch restart in it).
+  jpegs=${JPEG_DIR:-$(mktemp -d)/imagenet-like}
+  [[ -d $jpegs/train ]] || $python -m bench --input --make-data "$jpegs" --images 20000
+  workers=$(( $(nproc) < 16 ? $(nproc) - 1 : 15 ))
+fi
+
 if [[ " $sections " == *" 4 "* ]]; then
-  echo "== 4. largest ViT that trains with fsdp (+ activation checkpointing, CPU offload) and not with ddp"
+  echo "== 4. ResNet-50 on JPEG files (GPU decoding) vs synthetic tensors, bf16 + channels_last + compile"
+  recommended="--amp bf16 --channels-last --compile"
+  $python -m bench --nproc 1 --stacks trainer baseline --model resnet50 --image-size 224 --batch-size 256 \
+    --steps 60 --threads 4 --out "$out" \
+    --trainer-args "$recommended --dataset imagefolder --data-dir $jpegs --num-workers $workers --decode auto" \
+    --baseline-args "$recommended"
+  echo "== 4b. the same with CPU decoding (--decode cpu) vs synthetic"
+  $python -m bench --nproc 1 --stacks trainer baseline --model resnet50 --image-size 224 --batch-size 256 \
+    --steps 60 --threads 4 --out "$out" \
+    --trainer-args "$recommended --dataset imagefolder --data-dir $jpegs --num-workers $workers --decode cpu" \
+    --baseline-args "$recommended"
+fi
+
+if [[ " $sections " == *" 5 "* ]]; then
+  echo "== 5. the input path alone: pil, cpu, packed, gpu (images/s per core)"
+  $python -m bench --input --data "$jpegs" --workers "$workers" --batch-size 256 --batches 20 --warmup 4 --out "$out"
+fi
+
+if [[ " $sections " == *" 6 "* ]]; then
+  echo "== 6. largest ViT that trains with fsdp (+ activation checkpointing, CPU offload) and not with ddp"
   # A run that runs out of memory is recorded as failed, not fatal: that is the measurement.
   $python -m bench.fsdp_memory --nproc 1 --image-size 224 --batch-size 8 --steps 3 --keep-going \
     --models bench.usermodel:vit_4b bench.usermodel:vit_8b bench.usermodel:vit_12b \
     --trainer-args='--amp bf16 --activation-checkpointing' --fsdp-args='--fsdp-cpu-offload' --out "$out"
 fi
 
-if [[ " $sections " == *" 5 "* ]]; then
-  echo "== 5. fsdp/ddp throughput, ResNet-50, 224x224, bf16 + channels_last (trainer/baseline = fsdp/ddp)"
+if [[ " $sections " == *" 7 "* ]]; then
+  echo "== 7. fsdp/ddp throughput, ResNet-50, 224x224, bf16 + channels_last (trainer/baseline = fsdp/ddp)"
   $python -m bench --nproc 1 --stacks trainer baseline --model resnet50 --image-size 224 --batch-size 256 \
     --steps 25 --threads 4 --trainer-args '--strategy fsdp --amp bf16 --channels-last' \
     --baseline-args '--strategy ddp --amp bf16 --channels-last' --out "$out"

@@ -9,7 +9,7 @@ ratio. `--stacks launcher torchrun` runs one user script (the hand-written loop)
 trainer-launch and through plain torchrun, for the launcher/torchrun ratio. `--stacks trainer
 baseline` runs the trainer twice per round, with --trainer-args and with --baseline-args, for the
 effect of one setting (e.g. the input path) side by side. Results: a markdown table on stdout and
-bench/results/<stamp>.{md,json}.
+bench/results/<stamp>.{md,json}. `--input` measures the input path alone (bench/inputpath.py).
 """
 
 from __future__ import annotations
@@ -218,10 +218,15 @@ def describe_machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--input" in argv:  # the input path alone: bench/inputpath.py
+        from bench.inputpath import main as input_main
+
+        return input_main([arg for arg in argv if arg != "--input"])
     with exit_on_usage_error():
         args = parse_args(argv)
         prepare_out(args.out)  # before the runs: a bad --out must not cost the benchmark
-    header = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
+    header = {"command": shlex.join(["python", "-m", "bench", *argv]),
               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": describe_machine(),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     runs = []

@@ -239,3 +239,31 @@ def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, a
     assert value == pytest.approx(medians[numerator]["median"] / medians[denominator]["median"])
     assert f"{ratio} = {value:.3f}" in next(out.glob("bench-*.md")).read_text()
     return result
+
+
+def photo(width: int, height: int, seed: int):
+    """A photo-like RGB PIL image: smooth colour structure plus fine noise (JPEG treats it as it does photos)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0, 255, (4, 4, 3)).astype(np.uint8)
+    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.float32)
+    return Image.fromarray(np.clip(smooth + rng.normal(0, 12, smooth.shape), 0, 255).astype(np.uint8))
+
+
+def write_jpeg_folder(root: Path, classes: Iterable[str] = ("cat", "dog"), per_class: dict | None = None,
+                      size: tuple[int, int] = (160, 120)) -> list[Path]:
+    """root/<split>/<class>/<i>.jpg photo-like JPEGs (quality 90); returns the files written."""
+    per_class = per_class or {"train": 4, "val": 2}
+    written, seed = [], 0
+    for split, count in per_class.items():
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                seed += 1
+                path = folder / f"{i}.jpg"
+                photo(size[0] + 8 * (i % 3), size[1], seed).save(path, quality=90)
+                written.append(path)
+    return written

@@ -3,6 +3,7 @@ interleaved, with their ratio. The speed itself is not asserted; docs/benchmarks
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,27 @@ def test_bench_runs_one_user_script_through_the_launcher_and_plain_torchrun(tmp_
     result = run_bench_pair(tmp_path, ("launcher", "torchrun"), 2, "launcher/torchrun",
                             ["--steps", "8", "--model", "cnn", "--batch-size", "16"])
     assert result["settings"]["stacks"] == ["launcher", "torchrun"]
+
+
+@pytest.mark.slow
+def test_bench_input_mode_measures_every_cpu_input_path_against_pil(tmp_path):
+    """`python -m bench --input`: the input path alone, interleaved rounds, per-core medians and their
+    ratios to the PIL + torchvision path, on a generated ImageNet-like folder and its pack."""
+    done = bench(["--input", "--images", "20", "--image-size", "64", "--batch-size", "4", "--batches", "2",
+                  "--warmup", "1", "--workers", "1", "--paths", "pil", "cpu", "packed", "--out", str(tmp_path)],
+                 tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(tmp_path.glob("input-*.json")).read_text())
+    assert [(r["round"], r["path"]) for r in result["runs"]] == [(n, p) for n in (1, 2, 3)
+                                                                  for p in ("pil", "cpu", "packed")]
+    assert all(r["images"] == 8 and r["images_per_core_second"] > 0 for r in result["runs"])
+    medians = result["paths"]
+    for path in ("cpu", "packed"):
+        ratio = result["ratios"][f"{path}/pil"]["per_core"]
+        assert ratio == pytest.approx(medians[path]["median_per_core"] / medians["pil"]["median_per_core"])
+        assert f"| {path} | {medians[path]['median_per_core']:.1f} |" in done.stdout
+    assert result["data"]["train_files"] == 20 and result["data"]["packed_bytes_per_image"] > 0
+    assert (tmp_path / "input-data-20.packed-256" / "pack.json").exists()
 
 
 def bench(args: list[str], cwd: Path, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -281,8 +281,15 @@ def test_shm_verdict_in_dockers_default_shm(tmp_path, small_shm, args, status, s
     assert shm.status == status and shown in shm.value and "/dev/shm 64 MiB" in shm.value, shm
 
 
+def write_pack(root):
+    from trainer.pack import pack
+
+    write_image_folder(root.with_name("folder"))
+    pack(root.with_name("folder"), root, max_side=64, workers=1, progress=False)
+
+
 DATASET_FILES = {"synthetic": None, "cifar10": write_cifar10, "mnist": write_mnist,
-                 "imagefolder": write_image_folder}
+                 "imagefolder": write_image_folder, "packed": write_pack}
 
 
 @pytest.mark.parametrize("dataset", DATASET_FILES)

@@ -129,6 +129,8 @@ DATASETS: dict[str, DatasetEntry] = {
     "mnist": DatasetEntry("MNIST through torchvision", True, 1, 28, 10, (0.1307,), (0.3081,), downloads=True),
     "imagefolder": DatasetEntry("folders train/<class>/* and val/<class>/* (--image-size, --augment)", False, 3,
                                 None, None),
+    "packed": DatasetEntry("an image folder packed by trainer-pack (--data-dir; --image-size, --augment)", False, 3,
+                           None, None),
 }
 
 

@@ -82,6 +82,11 @@ class TrainConfig:
                          "cifar10, mnist)",
                          ("auto", "memory", "dataloader"))
     num_workers: int = option(2, "DataLoader worker processes per training process")
+    # Image files (trainer/jpeg.py, trainer/pack.py).
+    decode: str = option("auto", "imagefolder decoding: cpu (worker processes decode no more pixels than the "
+                         "crop needs), gpu (nvJPEG batches on the GPU, crops and flips there; other files on "
+                         "the CPU), pil (PIL + torchvision transforms, the reference); auto: gpu on CUDA "
+                         "(imagenet augmentation), else cpu", ("auto", "cpu", "gpu", "pil"))
     # Observability.
     val_every: int = option(1, "validate every N epochs (0: never)")
     log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
@@ -310,6 +315,9 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
         if not has_class_folders:
             raise UsageError(setting("data_dir"), f"{train_dir} has no class folders",
                              f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
+    if cfg.dataset == "packed" and not (Path(cfg.data_dir) / "pack.json").is_file():
+        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' holds no pack.json for --dataset packed",
+                         f"pack an image folder into it first: trainer-pack SRC {cfg.data_dir}")
     if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():

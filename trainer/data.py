@@ -54,6 +54,14 @@ def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
     return ((x >> 16) ^ x) & 0x7FFFFFFF
 
 
+def sample_key(index: int, epoch: int, seed: int) -> int:
+    """sample_keys for one sample, in plain Python (a DataLoader worker's per-sample cost)."""
+    x = (index * 0x9E3779B1 + epoch * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return ((x >> 16) ^ x) & 0x7FFFFFFF
+
+
 # ---------------------------------------------------------------------------------------- datasets
 
 def builtin_spec(name: str, image_size: int, num_classes: int | None = None) -> DataSpec:
@@ -246,10 +254,14 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
     if cfg.dataset in ("cifar10", "mnist"):
         train, val = _torchvision_dataset(cfg, ctx)
         return train, val, builtin_spec(cfg.dataset, catalog.DATASETS[cfg.dataset].image_size)
+    if cfg.dataset == "packed":
+        from trainer.pack import packed_datasets
+
+        return packed_datasets(cfg)
     root = Path(cfg.data_dir)
-    train = _ImageFolderWithKeys(root / "train", True, cfg.image_size, cfg.augment, cfg.seed)
-    val = _ImageFolderWithKeys(root / "val", False, cfg.image_size, cfg.augment, cfg.seed) \
-        if (root / "val").is_dir() else None
+    folder = image_folder_class(cfg, ctx)
+    train = folder(root / "train", True, cfg.image_size, cfg.augment, cfg.seed)
+    val = folder(root / "val", False, cfg.image_size, cfg.augment, cfg.seed) if (root / "val").is_dir() else None
     if val is None:
         log.warning("no val/ folder under %s: validation is skipped", root)
     elif val.folder.classes != train.folder.classes:  # labels are class indices: any difference mislabels val
@@ -258,6 +270,24 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
                          f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} in only one of them)",
                          "give val/ the same class folders as train/")
     return train, val, builtin_spec("imagefolder", cfg.image_size, len(train.folder.classes))
+
+
+def image_folder_class(cfg: TrainConfig, ctx: DistContext):
+    """The image folder's reader for --decode (trainer/jpeg.py): auto is the GPU path on CUDA with the
+    imagenet policy (small images gain nothing from it), else the fast CPU path."""
+    from trainer import jpeg
+
+    light = jpeg.resolve_augment(cfg.augment, cfg.image_size) == "light"
+    decode = cfg.decode
+    if decode == "auto":
+        decode = "gpu" if ctx.device.type == "cuda" and not light else "cpu"
+    if decode == "gpu" and ctx.device.type != "cuda":
+        raise UsageError("--decode", f"gpu, but this process trains on {ctx.device}",
+                         "use --decode auto or cpu without a GPU")
+    if decode == "gpu" and light:
+        raise UsageError("--decode", "gpu does the imagenet policy's crops; the light policy's padded crops are "
+                         "made on the CPU", "use --decode cpu, or --augment imagenet")
+    return {"pil": _ImageFolderWithKeys, "cpu": jpeg.FastImageFolder, "gpu": jpeg.GpuImageFolder}[decode]
 
 
 def user_datasets(cfg: TrainConfig):
@@ -347,8 +377,11 @@ class Batches:
         else:
             self.order = _KeyedOrder()
             workers = cfg.num_workers
+            # A dataset may collate its own batches and finish them on the device (jpeg.GpuImageFolder).
+            self.stage = getattr(data, "stage", lambda loader, device: loader)
             self.loader = DataLoader(
                 data if not in_memory else _MemoryAsDataset(data), batch_size=self.batch_size,
+                collate_fn=getattr(data, "collate", None),
                 sampler=self.order, num_workers=workers, pin_memory=self.device.type == "cuda",
                 # Validation's workers live only while it runs: between them they would hold memory for nothing.
                 persistent_workers=train and workers > 0, drop_last=train, prefetch_factor=4 if workers else None,
@@ -379,7 +412,7 @@ class Batches:
             return
         self.order.indices, self.order.epoch = indices, epoch
         try:
-            for batch_number, (images, labels) in enumerate(self.loader):
+            for batch_number, (images, labels) in enumerate(self.stage(self.loader, self.device)):
                 first = batch_number * self.batch_size
                 idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
                 # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps

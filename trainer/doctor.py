@@ -69,7 +69,12 @@ def data_shape(training: TrainConfig) -> tuple[int, int, int] | None:
         return None
     side = catalog.dataset_image_size(training.dataset, training.synthetic_image_size, training.image_size)
     classes = entry.num_classes
-    if classes is None:  # ImageFolder's classes are the folders in train/
+    if classes is None and training.dataset == "packed":  # trainer-pack's header names them
+        try:
+            classes = len(json.loads((Path(training.data_dir) / "pack.json").read_text())["classes"])
+        except (OSError, ValueError, KeyError, TypeError):  # the trainer names the damaged file, in one line
+            return None
+    elif classes is None:  # ImageFolder's classes are the folders in train/
         with os.scandir(Path(training.data_dir) / "train") as entries:
             classes = sum(entry.is_dir() for entry in entries)
     return entry.channels, side, classes

@@ -1,0 +1,278 @@
+"""Image folders at speed (trainer/jpeg.py): the views every path shares keep torchvision's statistics and
+the exact-resume keys, the fast CPU path shows what the reference path shows, the GPU path's batched
+crops (device-agnostic, run here on CPU tensors) show what the CPU path shows, and bad files are one
+line naming the file."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import dirs_args, photo, run_trainer, write_jpeg_folder
+from trainer import jpeg
+from trainer.config import load_config
+from trainer.data import Batches, _ImageFolderWithKeys, build_datasets, sample_key, sample_keys
+from trainer.distributed import DistContext
+from trainer.errors import UsageError
+from trainer.topology import WORKER, resolve
+
+CPU = torch.device("cpu")
+SIDE = 64
+
+
+def context() -> DistContext:
+    return DistContext(resolve({}, WORKER), "none", CPU)
+
+
+def mean_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().mean().item()
+
+
+# ------------------------------------------------------------------------------------------ views
+
+def test_sample_key_is_sample_keys_for_one_sample():
+    index = torch.arange(0, 5000, 7)
+    for epoch, seed in ((0, 0), (3, 11), (90, 2**32 - 1)):
+        assert [sample_key(i, epoch, seed) for i in index.tolist()] == sample_keys(index, epoch, seed).tolist()
+
+
+@pytest.mark.parametrize("width, height", [(500, 375), (640, 60)], ids=["4:3 photo", "a strip (fallbacks)"])
+def test_random_resized_views_have_torchvision_statistics(width, height):
+    """The same distribution as transforms.RandomResizedCrop + RandomHorizontalFlip: area fraction, aspect
+    and position of the box, and the flip rate (quantiles of 4000 draws each)."""
+    from torchvision import transforms
+
+    draws = 4000
+    ours = [jpeg.view_plan(sample_key(i, 0, 0), width, height, SIDE, True, "imagenet") for i in range(draws)]
+    torch.manual_seed(0)
+    geometry = torch.empty(1, 1, 1).expand(1, height, width)
+    theirs = [transforms.RandomResizedCrop.get_params(geometry, jpeg.RRC_SCALE, list(jpeg.RRC_RATIO))
+              for _ in range(draws)]
+    their_flips = (torch.rand(draws) < 0.5).float().mean().item()
+
+    def stats(boxes):  # (left, top, w, h) -> area fraction, log aspect, box centre (relative)
+        b = np.array(boxes, dtype=np.float64)
+        return {"area": b[:, 2] * b[:, 3] / (width * height), "log aspect": np.log(b[:, 2] / b[:, 3]),
+                "centre x": (b[:, 0] + b[:, 2] / 2) / width, "centre y": (b[:, 1] + b[:, 3] / 2) / height}
+
+    mine = stats([(p.left, p.top, p.width, p.height) for p in ours])
+    other = stats([(left, top, w, h) for top, left, h, w in theirs])
+    for name in mine:  # two-sample Kolmogorov-Smirnov distance, below its 1% critical value (1.63 sqrt(2/n))
+        a, b = np.sort(mine[name]), np.sort(other[name])
+        grid = np.concatenate([a, b])
+        distance = np.abs(np.searchsorted(a, grid, "right") - np.searchsorted(b, grid, "right")).max() / draws
+        assert distance < 1.63 * math.sqrt(2 / draws), (name, distance)
+    assert abs(np.mean([p.flip for p in ours]) - 0.5) < 0.03 and abs(their_flips - 0.5) < 0.03
+    assert all(0 <= p.left and p.left + p.width <= width and 0 <= p.top and p.top + p.height <= height for p in ours)
+
+
+def test_views_are_a_function_of_seed_epoch_and_index(tmp_path):
+    write_jpeg_folder(tmp_path, per_class={"train": 3})
+    data = jpeg.FastImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=5)
+    first = data[(2, 1)][0]
+    assert torch.equal(data[(2, 1)][0], first)
+    assert torch.equal(jpeg.FastImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=5)[(2, 1)][0], first)
+    assert not torch.equal(data[(2, 2)][0], first)  # another epoch, another view
+    assert not torch.equal(jpeg.FastImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=6)[(2, 1)][0], first)
+
+
+# ------------------------------------------------------------------------------------ the CPU path
+
+@pytest.mark.parametrize("size", [(500, 375), (1400, 1050)], ids=["full decode", "DCT-reduced decode"])
+def test_fast_validation_views_are_the_reference_views(tmp_path, size):
+    """Resize (8/7 of the side) + centre crop, by PIL + torchvision transforms and by the fast path: the same
+    pixels up to resampling, also where libjpeg decodes the file at a quarter of its size."""
+    write_jpeg_folder(tmp_path, per_class={"val": 3}, size=size)
+    reference = _ImageFolderWithKeys(tmp_path / "val", False, 224, "imagenet", 0)
+    fast = jpeg.FastImageFolder(tmp_path / "val", False, 224, "imagenet", 0)
+    for i in range(len(fast)):
+        a, b = reference[(i, 0)], fast[(i, 0)]
+        assert a[1] == b[1] and a[0].shape == b[0].shape == (3, 224, 224)
+        assert mean_abs(a[0], b[0]) < 2.5, i
+
+
+@pytest.mark.parametrize("size", [(500, 375), (2000, 1500)], ids=["full decode", "DCT-reduced decode"])
+def test_fast_training_views_are_the_planned_crops(tmp_path, size):
+    """A training view is the planned box resized by PIL (what RandomResizedCrop does) and flipped."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    path = tmp_path / "photo.jpg"
+    photo(*size, seed=3).save(path, quality=90)
+    original = Image.open(path).convert("RGB")
+    for index in range(12):
+        key = sample_key(index, 0, 0)
+        plan = jpeg.view_plan(key, *size, 224, True, "imagenet")
+        expected = F.pil_to_tensor(F.resized_crop(original, plan.top, plan.left, plan.height, plan.width, [224, 224],
+                                                  InterpolationMode.BILINEAR))
+        expected = expected.flip(-1) if plan.flip else expected
+        assert mean_abs(jpeg.read_view(str(path), key, 224, True, "imagenet"), expected) < 3.0, plan
+
+
+def test_light_policy_pads_and_shifts_like_the_reference(tmp_path):
+    write_jpeg_folder(tmp_path, per_class={"train": 2}, size=(40, 30))
+    fast = jpeg.FastImageFolder(tmp_path / "train", True, 32, "light", 0)
+    views = torch.stack([fast[(0, epoch)][0] for epoch in range(40)])
+    assert views.shape == (40, 3, 32, 32)
+    # Padding of 4 and a random shift: some views have black rows or columns at an edge, not all the same.
+    assert len({tuple(v.flatten().tolist()) for v in views}) > 10
+    assert (views[:, :, :, :1] == 0).all(dim=(1, 2, 3)).any() or (views[:, :, :1, :] == 0).all(dim=(1, 2, 3)).any()
+
+
+# ------------------------------------------------------------------------------------ the GPU path
+
+def test_batched_crops_are_per_sample_and_the_same_in_any_grouping(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, h, w), generator=gen, dtype=torch.uint8)
+              for h, w in ((60, 80), (90, 50), (33, 33), (120, 100))]
+    boxes = torch.tensor([[0, 0, 80, 60], [10, 5, 40, 85], [3, 3, 20, 30], [50, 20, 100, 120]], dtype=torch.float32)
+    flips = torch.tensor([False, True, False, True])
+    together = jpeg.resized_crops(images, boxes, flips, 32)
+    one_by_one = torch.cat([jpeg.resized_crops([images[i]], boxes[i:i + 1], flips[i:i + 1], 32) for i in range(4)])
+    assert together.shape == (4, 3, 32, 32) and together.dtype == torch.uint8
+    assert torch.equal(together, one_by_one)
+    unflipped = jpeg.resized_crops(images[1:2], boxes[1:2], torch.tensor([False]), 32)
+    assert torch.equal(together[1], unflipped[0].flip(-1))
+    monkeypatch.setattr(jpeg, "PAD_BUDGET_BYTES", 3 * 90 * 80 * 4 * 2)  # two images per roi_align call at most
+    assert torch.equal(jpeg.resized_crops(images, boxes, flips, 32), together)
+    # The whole image as the box: roi_align's antialiased downscale is what torch's resize gives.
+    picture = jpeg.pil_tensor(photo(80, 60, 9))
+    whole = jpeg.resized_crops([picture], boxes[:1], flips[:1], 32)[0]
+    ref = torch.nn.functional.interpolate(picture[None].float(), size=(32, 32), mode="bilinear", antialias=True)[0]
+    assert mean_abs(whole, ref) < 3
+
+
+def write_mixed_folder(root) -> dict[str, str]:
+    """JPEGs nvJPEG decodes, and files it does not: PNG, CMYK, progressive, a JPEG with bytes after its end."""
+    write_jpeg_folder(root, classes=("a",), per_class={"train": 5}, size=(120, 90))
+    folder = root / "train" / "a"
+    photo(100, 80, 1).save(folder / "png.png")
+    photo(100, 80, 2).convert("CMYK").save(folder / "cmyk.jpg", quality=90)
+    photo(100, 80, 3).save(folder / "progressive.jpg", quality=90, progressive=True)
+    (folder / "tail.jpg").write_bytes((folder / "0.jpg").read_bytes() + b"\0\0")
+    return {"png": "png.png", "cmyk": "cmyk.jpg", "progressive": "progressive.jpg", "tail": "tail.jpg"}
+
+
+def test_gpu_path_on_cpu_tensors_shows_the_cpu_paths_views(tmp_path, caplog):
+    """Workers read bytes and plan; the batch is decoded and cropped together (here by torchvision's CPU
+    decoder, on the GPU by nvJPEG): the same views as the CPU path, and exactly its views for the files
+    nvJPEG cannot take, with one warning."""
+    names = write_mixed_folder(tmp_path)
+    gpu = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=4)
+    cpu = jpeg.FastImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=4)
+    keys = [(i, 3) for i in range(len(gpu))]
+    jpeg._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.jpeg"):
+        (images, labels), = list(gpu.stage([gpu.collate([gpu[k] for k in keys])], CPU))
+        (again, _), = list(gpu.stage([gpu.collate([gpu[k] for k in keys])], CPU))
+    assert images.shape == (len(keys), 3, SIDE, SIDE) and images.dtype == torch.uint8
+    assert labels.tolist() == [0] * len(keys)
+    assert torch.equal(images, again)
+    fallback = {i for i, (path, _) in enumerate(gpu.folder.samples) if os.path.basename(path) in names.values()}
+    assert len(fallback) == 4
+    for i, key in enumerate(keys):
+        expected = cpu[key][0]
+        if i in fallback:
+            assert torch.equal(images[i], expected), gpu.folder.samples[i][0]
+        else:
+            assert mean_abs(images[i], expected) < 4.0, gpu.folder.samples[i][0]
+    warnings = [r for r in caplog.records if "nvJPEG" in r.getMessage()]
+    assert len(warnings) == 1 and str(tmp_path) in warnings[0].getMessage()
+
+
+def test_gpu_path_batches_through_workers_keep_the_keys(tmp_path):
+    """Through Batches and a real DataLoader worker: views depend on (seed, epoch, index), not on the batch."""
+    write_jpeg_folder(tmp_path, per_class={"train": 6}, size=(120, 90))
+    args = ["--env-file", os.devnull, "--dataset", "imagefolder", "--data-dir", str(tmp_path), "--image-size",
+            str(SIDE), "--augment", "imagenet", "--num-workers", "1"]
+    data = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", 0)
+    _, _, spec = build_datasets(load_config(args, {}, 1), context())
+    by_4 = list(Batches(data, spec, load_config([*args, "--batch-size", "4"], {}, 1), context(), True).epoch(1))
+    by_2 = list(Batches(data, spec, load_config([*args, "--batch-size", "2"], {}, 1), context(), True).epoch(1))
+    assert torch.equal(torch.cat([x for x, _ in by_4]), torch.cat([x for x, _ in by_2])[:len(by_4) * 4])
+    assert torch.cat([y for _, y in by_4]).tolist() == torch.cat([y for _, y in by_2]).tolist()[:len(by_4) * 4]
+
+
+def test_decode_gpu_without_a_gpu_is_a_usage_error(tmp_path):
+    write_jpeg_folder(tmp_path, per_class={"train": 1})
+    cfg = load_config(["--env-file", os.devnull, "--dataset", "imagefolder", "--data-dir", str(tmp_path),
+                       "--decode", "gpu"], {}, 1)
+    with pytest.raises(UsageError, match="--decode"):
+        build_datasets(cfg, context())
+
+
+# ------------------------------------------------------------------------------------- bad files
+
+def truncated(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+BAD_FILES = {  # what to do to train/dog/1.jpg, and what the one line says about it
+    "truncated JPEG": (truncated, "truncated"),
+    "not an image": (lambda p: p.write_text("not an image\n"), "not an image PIL can decode"),
+    "zero-byte file": (lambda p: p.write_bytes(b""), "an empty file"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decode", ["cpu", "pil"])
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_bad_file_is_one_line_naming_it(tmp_path, case, decode):
+    write_jpeg_folder(tmp_path / "data", per_class={"train": 3, "val": 1}, size=(80, 60))
+    bad = tmp_path / "data" / "train" / "dog" / "1.jpg"
+    spoil, reason = BAD_FILES[case]
+    spoil(bad)
+    result = run_trainer(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
+                          "--image-size", "32", "--batch-size", "2", "--num-workers", "1", "--decode", decode,
+                          *dirs_args(tmp_path)], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: --data-dir: "), result.stderr[-3000:]
+    line = errors[0]
+    assert f"cannot read the image {bad} (" in line and (reason.lower() in line.lower() or decode == "pil"), line
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_bad_file_on_the_gpu_path_is_named_from_its_worker(tmp_path, case):
+    write_jpeg_folder(tmp_path, per_class={"train": 3}, size=(80, 60))
+    bad = tmp_path / "train" / "dog" / "1.jpg"
+    spoil, reason = BAD_FILES[case]
+    spoil(bad)
+    args = ["--env-file", os.devnull, "--dataset", "imagefolder", "--data-dir", str(tmp_path), "--image-size", "32",
+            "--batch-size", "2", "--num-workers", "1"]
+    cfg = load_config(args, {}, 1)
+    _, _, spec = build_datasets(cfg, context())
+    data = jpeg.GpuImageFolder(tmp_path / "train", True, 32, "imagenet", 0)
+    with pytest.raises(UsageError) as caught:
+        for _ in Batches(data, spec, cfg, context(), True).epoch(0):
+            pass
+    assert f"cannot read the image {bad} (" in str(caught.value) and reason.lower() in str(caught.value).lower()
+
+
+def test_cmyk_jpeg_and_16_bit_png_are_decoded_not_refused(tmp_path, caplog):
+    """A CMYK JPEG shows its colours; a 16-bit PNG is scaled to 8 bits (PIL's RGB conversion clips it to
+    white), with one warning naming it."""
+    folder = tmp_path / "train" / "a"
+    folder.mkdir(parents=True)
+    rgb = photo(96, 72, 5)
+    rgb.convert("CMYK").save(folder / "cmyk.jpg", quality=95)
+    rgb.save(folder / "rgb.png")
+    grey = np.asarray(rgb.convert("L"), dtype=np.uint16) * 257  # the 8-bit image, widened to 16 bits
+    Image.fromarray(grey).save(folder / "wide.png")
+    data = jpeg.FastImageFolder(tmp_path / "train", False, 48, "none", 0)
+    jpeg._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.jpeg"):
+        views = {os.path.basename(path): data[(i, 0)][0] for i, (path, _) in enumerate(data.folder.samples)}
+        wide = data[(sorted(views).index("wide.png"), 1)][0]  # read twice, warned once
+    assert mean_abs(views["cmyk.jpg"], views["rgb.png"]) < 3
+    expected_grey = views["rgb.png"].float().mul(torch.tensor([0.299, 0.587, 0.114])[:, None, None]).sum(0)
+    assert mean_abs(wide[0], expected_grey) < 2 and torch.equal(wide[0], wide[1])
+    assert [r.getMessage() for r in caplog.records if "16-bit" in r.getMessage()] == [
+        f"{folder / 'wide.png'}: a 16-bit image: scaled to 8 bits (further such files are not named)"]
