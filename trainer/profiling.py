@@ -18,21 +18,33 @@ log = logging.getLogger("trainer")
 PROFILE_DIR = "profile"
 
 
+def check_window(cfg, total_steps: int) -> None:
+    """Without --max-steps the run's length is known only once the data is: checked then, before any output."""
+    window = profile_window(cfg.profile_steps)
+    if window and window[1] > total_steps:
+        raise UsageError("--profile-steps", f"{cfg.profile_steps} ends beyond the run's last step {total_steps}",
+                         f"profile steps up to {total_steps}")
+
+
 class StepProfiler:
     def __init__(self, cfg, ctx, optimizer, total_steps: int, start_step: int):
         self.prof = self.hook = None
         window = profile_window(cfg.profile_steps)
         if window is None:
             return
-        if window[1] > total_steps:  # without --max-steps, the run's length is known only now
-            raise UsageError("--profile-steps", f"{cfg.profile_steps} ends beyond the run's last step {total_steps}",
-                             f"profile steps up to {total_steps}")
-        if ctx.rank not in profile_rank_list(cfg.profile_ranks, ctx.world_size) or start_step >= window[1]:
+        check_window(cfg, total_steps)
+        ranks = profile_rank_list(cfg.profile_ranks, ctx.world_size)
+        directory = Path(cfg.log_dir) / PROFILE_DIR
+        if ctx.is_main and start_step < window[1]:
+            which = "every rank" if len(ranks) == ctx.world_size else "rank " + ",".join(map(str, ranks))
+            log.info("profiling steps %d-%d on %s into %s (open a rank*.pt.trace.json at https://ui.perfetto.dev "
+                     "or chrome://tracing)", max(window[0], start_step + 1), window[1], which, directory)
+        if ctx.rank not in ranks or start_step >= window[1]:
             return
         self.first, self.last = max(window[0], start_step + 1), window[1]
         self.done = start_step  # optimizer steps finished
         self.ctx, self.cuda = ctx, ctx.device.type == "cuda"
-        self.directory = Path(cfg.log_dir) / PROFILE_DIR
+        self.directory = directory
         self.hook = optimizer.register_step_post_hook(self._after_step)
         if self.done == self.first - 1:
             self._start()
@@ -69,9 +81,6 @@ class StepProfiler:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"rank{self.ctx.rank}.steps{self.first}-{self.done}.pt.trace.json"
         prof.export_chrome_trace(str(path))
-        if self.ctx.is_main:
-            log.info("profiler trace of steps %d-%d in %s (open a rank*.pt.trace.json at https://ui.perfetto.dev "
-                     "or chrome://tracing)", self.first, self.done, self.directory)
 
     def close(self) -> None:
         """A run that stops inside the window keeps the trace of the steps it made."""

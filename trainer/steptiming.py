@@ -98,7 +98,7 @@ class StepTiming:
         # Until the first optimizer step every parameter's gradient marks; then only the last one to arrive.
         self.grad_hooks = {p: p.register_post_accumulate_grad_hook(self._gradient_ready)
                            for p in model.parameters() if p.requires_grad}
-        self.last_param = None
+        self.last_param = self.last_param_seen = None
         optimizer.register_step_pre_hook(self._optimizer_starts)
         optimizer.register_step_post_hook(self._optimizer_done)
 
@@ -136,7 +136,7 @@ class StepTiming:
     def _optimizer_starts(self, optimizer, args, kwargs) -> None:
         now = self.clock.mark()
         if self.last_param is None and self.grad_hooks:  # the first step showed which gradient comes last
-            self.last_param = getattr(self, "last_param_seen", None)
+            self.last_param = self.last_param_seen
             for param, handle in self.grad_hooks.items():
                 if param is not self.last_param:
                     handle.remove()

@@ -207,6 +207,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     micro_per_epoch = steps_per_epoch * cfg.grad_accum
     total_steps = steps_per_epoch * cfg.epochs
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    profiling.check_window(cfg, total_steps)
     if found is not None and found[0]["global_step"] >= total_steps:
         # A finished job started again (compose up, a scheduler's retry): its results stay as they are.
         log.info("nothing to do: %s is at step %d of %d (raise --epochs or --max-steps to train on)",
