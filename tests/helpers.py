@@ -31,18 +31,29 @@ BAD_INPUT_TIMEOUT_S = 30
 
 INHERITED_TOPOLOGY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MAX_RESTARTS", "RDZV_TIMEOUT",
-                      "PREFLIGHT", "TORCHELASTIC_RUN_ID")
+                      "PREFLIGHT", "TORCHELASTIC_RUN_ID", "JOB_COMPLETION_INDEX")
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment minus anything that would change the topology or the options."""
     env = {k: v for k, v in os.environ.items()
-           if k not in INHERITED_TOPOLOGY and not k.startswith(("TRAIN_", "SLURM_", "TORCHELASTIC_"))}
+           if k not in INHERITED_TOPOLOGY and not k.startswith(("TRAIN_", "SLURM_", "TORCHELASTIC_", "PET_", "SKYPILOT_"))}
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # the suite is CPU + gloo, the same on a GPU host
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra or {})
     return env
+
+
+def srun_task_env(procid: int, ntasks: int, nodelist: str = "localhost", job_id: int = 4242) -> dict[str, str]:
+    """What `srun --ntasks=<ntasks>` gives task <procid> of a one-node step (Slurm's env_array_for_step and
+    the task's own SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID): src/common/env.c, srun(1) OUTPUT ENVIRONMENT."""
+    return {"SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+            "SLURM_JOB_NODELIST": nodelist, "SLURM_NODELIST": nodelist, "SLURM_STEP_NODELIST": nodelist,
+            "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1", "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_NTASKS": str(ntasks), "SLURM_NPROCS": str(ntasks), "SLURM_STEP_NUM_TASKS": str(ntasks),
+            "SLURM_TASKS_PER_NODE": str(ntasks), "SLURM_STEP_TASKS_PER_NODE": str(ntasks),
+            "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0"}
 
 
 def free_port() -> int:

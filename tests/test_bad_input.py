@@ -95,17 +95,17 @@ def unreadable_newest_checkpoint(cwd: Path) -> None:
 
 TABLE = {
     # launcher environment: the topology
-    "NNODES zero": launcher("NNODES", NNODES="0"),
-    "NNODES not an integer": launcher("NNODES", NNODES="two"),
-    "NODE_RANK not below NNODES": launcher("NODE_RANK", NNODES="2", NODE_RANK="2", MASTER_ADDR="127.0.0.1"),
-    "NODE_RANK negative": launcher("NODE_RANK", NODE_RANK="-1"),
-    "MASTER_PORT 70000": launcher("MASTER_PORT", MASTER_PORT="70000"),
-    "MASTER_PORT not a number": launcher("MASTER_PORT", MASTER_PORT="http"),
-    "MASTER_ADDR missing with two nodes": launcher("MASTER_ADDR", NNODES="2", NODE_RANK="1"),
+    "NNODES zero": launcher("NNODES (explicit)", NNODES="0"),
+    "NNODES not an integer": launcher("NNODES (explicit)", NNODES="two"),
+    "NODE_RANK not below NNODES": launcher("NODE_RANK (explicit)", NNODES="2", NODE_RANK="2", MASTER_ADDR="127.0.0.1"),
+    "NODE_RANK negative": launcher("NODE_RANK (explicit)", NODE_RANK="-1"),
+    "MASTER_PORT 70000": launcher("MASTER_PORT (explicit)", MASTER_PORT="70000"),
+    "MASTER_PORT not a number": launcher("MASTER_PORT (explicit)", MASTER_PORT="http"),
+    "MASTER_ADDR missing with two nodes": launcher("MASTER_ADDR (explicit)", NNODES="2", NODE_RANK="1"),
     "MAX_RESTARTS negative": launcher("MAX_RESTARTS", MAX_RESTARTS="-1"),
     "RDZV_TIMEOUT zero": launcher("RDZV_TIMEOUT", RDZV_TIMEOUT="0"),
-    "NPROC_PER_NODE zero": launcher("NPROC_PER_NODE", NPROC_PER_NODE="0"),
-    "RANK not an integer (one process per container)": launcher("RANK", RANK="x", WORLD_SIZE="2"),
+    "NPROC_PER_NODE zero": launcher("NPROC_PER_NODE (explicit)", NPROC_PER_NODE="0"),
+    "RANK not an integer (one process per container)": launcher("RANK (explicit)", RANK="x", WORLD_SIZE="2"),
     # launcher: training flags it validates before torchrun starts
     "negative lr": launcher("--lr", "--lr", "-0.1"),
     "momentum 1.5": launcher("--momentum", "--momentum", "1.5"),
@@ -138,9 +138,9 @@ TABLE = {
                                          env={"TRAIN_CHECKPOINT_DIR": "not-a-dir", "TRAIN_NUM_WORKERS": "0"},
                                          files=blocking_file),
     # the worker itself: rank facts and files on disk
-    "RANK not an integer": worker("RANK", RANK="x", WORLD_SIZE="2"),
-    "RANK not below WORLD_SIZE": worker("RANK", RANK="2", WORLD_SIZE="2"),
-    "WORLD_SIZE zero": worker("WORLD_SIZE", RANK="0", WORLD_SIZE="0"),
+    "RANK not an integer": worker("RANK (explicit)", RANK="x", WORLD_SIZE="2"),
+    "RANK not below WORLD_SIZE": worker("RANK (explicit)", RANK="2", WORLD_SIZE="2"),
+    "WORLD_SIZE zero": worker("WORLD_SIZE (explicit)", RANK="0", WORLD_SIZE="0"),
     "garbage checkpoint": BadInput(WORKER, "--resume", ("--resume", "garbage.pt"), files=garbage_checkpoint),
     "imagefolder without class folders": BadInput(WORKER, "--data-dir", ("--dataset", "imagefolder", "--data-dir",
                                                                          "images"), files=empty_image_folder),
@@ -166,7 +166,7 @@ TABLE = {
     "env file a directory": BadInput(WORKER, "--env-file", ("--env-file", "somewhere"), files=a_directory),
     ".env misspelt name": BadInput(WORKER, "TRAIN_BATCHSIZE", dotenv="TRAIN_BATCHSIZE=16\n"),
     "environment misspelt name": worker("TRAIN_EPOCH", TRAIN_EPOCH="1"),
-    "RANK without WORLD_SIZE": worker("WORLD_SIZE", RANK="0"),
+    "RANK without WORLD_SIZE": worker("WORLD_SIZE (explicit)", RANK="0"),
     # Observability (issue 16); a tracker package that is missing: tests/test_observe.py.
     "unknown tracker": launcher("--tracker", "--tracker", "tensorboard,neptune"),
     "TRAIN_TRACKER misspelt": launcher("TRAIN_TRACKER", TRAIN_TRACKER="tensorbord"),
@@ -252,7 +252,7 @@ def test_master_port_in_use(workdir, taken_port):
     before = snapshot(workdir)
     result, took = run_bad([*LAUNCH, *BASE_ARGS], workdir,
                            {"PREFLIGHT": "0", "NPROC_PER_NODE": "2", "MASTER_PORT": str(taken_port)})
-    line = assert_fails_fast_with_one_line(result, took, "MASTER_PORT")
+    line = assert_fails_fast_with_one_line(result, took, "MASTER_PORT (explicit)")
     assert f"{taken_port} cannot be used on this host" in line
     assert snapshot(workdir) == before
 
@@ -273,7 +273,7 @@ def test_duplicate_node_rank_zero_on_one_host(workdir):
         wait_until(listening, 120, "the first node 0 to host the rendezvous")
         before = snapshot(workdir)
         result, took = run_bad([*LAUNCH, *BASE_ARGS], workdir, {**topology, "NODE_RANK": "0"})
-        line = assert_fails_fast_with_one_line(result, took, "MASTER_PORT")
+        line = assert_fails_fast_with_one_line(result, took, "MASTER_PORT (explicit)")
         assert "another NODE_RANK=0 launcher?" in line
         assert snapshot(workdir) == before
     finally:

@@ -15,16 +15,18 @@ from helpers import (BAD_INPUT_TIMEOUT_S, assert_same_params, assert_usage_error
 from trainer.config import load_config
 from trainer.data import (DOWNLOAD_STALL_TIMEOUT_S, Batches, build_datasets, make_synthetic, random_crop_flip,
                           sample_keys)
-from trainer.distributed import DistContext, Topology
+from trainer.distributed import DistContext
 from trainer.errors import UsageError
+from trainer.topology import WORKER, resolve
 
 CPU = torch.device("cpu")
 
 
 def context(rank: int = 0, world_size: int = 1) -> DistContext:
     """Rank facts without a process group: Batches only needs them to pick this rank's shard."""
-    launcher = "single" if world_size == 1 else "torchrun"
-    return DistContext(Topology(rank, rank, world_size, world_size, "127.0.0.1", 29500, launcher), "none", CPU)
+    ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+             "LOCAL_WORLD_SIZE": str(world_size)} if world_size > 1 else {}
+    return DistContext(resolve(ranks, WORKER), "none", CPU)
 
 
 def config(tmp_path, *args: str, world_size: int = 1):

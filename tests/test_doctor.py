@@ -98,7 +98,7 @@ def test_multi_node_without_interface_warns():
 
 def test_multi_node_without_master_addr_fails():
     topology = row(run_checks({"NNODES": "2"}), "topology")
-    assert topology.status == "fail" and topology.value.startswith("MASTER_ADDR: ")
+    assert topology.status == "fail" and topology.value.startswith("MASTER_ADDR (explicit): ")
 
 
 def test_unresolvable_master_addr_fails():
@@ -236,7 +236,7 @@ def test_cli_reports_the_launchers_topology_error(tmp_path):
     assert launcher.returncode == 2
     assert topology.status == "fail"
     assert launcher.stderr.strip() == f"error: {topology.value} ({topology.fix})"
-    assert topology.value == "MASTER_PORT: 70000 is out of range"
+    assert topology.value == "MASTER_PORT (explicit): 70000 is out of range"
 
 
 def test_cli_unknown_option_names_trainer_doctor(tmp_path):
@@ -292,12 +292,13 @@ def test_shm_facts_are_those_of_the_data_and_models_the_trainer_builds(tmp_path,
     import torch
 
     from trainer.data import Batches, InMemoryImages, build_datasets
-    from trainer.distributed import DistContext, Topology
+    from trainer.distributed import DistContext
+    from trainer.topology import WORKER, resolve
     from trainer.models import build_model
 
     if DATASET_FILES[dataset]:
         DATASET_FILES[dataset](tmp_path / "data")
-    ctx = DistContext(Topology(0, 0, 1, 1, "127.0.0.1", 29500, "single"), "none", torch.device("cpu"))
+    ctx = DistContext(resolve({}, WORKER), "none", torch.device("cpu"))
     options = ["--dataset", dataset, "--data-dir", str(tmp_path / "data"), "--synthetic-size", "8",
                "--synthetic-image-size", "40", "--batch-size", "2", "--num-workers", "1"]
     training = load_config(options, {}, world_size=1)

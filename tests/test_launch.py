@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from helpers import (BAD_INPUT_TIMEOUT_S, RUN_TIMEOUT_S, assert_usage_error, checkpoint_steps, clean_env,
-                     dirs_args, files_under, free_port, read_summary)
-from trainer.distributed import first_slurm_host
+                     dirs_args, files_under, free_port, read_summary, srun_task_env)
 from trainer.errors import UsageError
-from trainer.launch import build_command, plan_from_env, preflight_enabled, torchrun_command
+from trainer.launch import build_command, preflight_enabled, torchrun_command
+from trainer.topology import LAUNCHER, resolve
 
 
 @pytest.fixture(autouse=True)
@@ -27,35 +27,35 @@ def no_gpus() -> int:
 
 
 def test_single_node_defaults():
-    assert build_command({}, ["--model", "cnn"], gpu_count=no_gpus)[0] == [
+    assert build_command({}, ["--model", "cnn"], gpu_count=no_gpus).command == [
         "torchrun", "--nnodes=1", "--node-rank=0", "--nproc-per-node=2", "--master-addr=127.0.0.1",
         "--master-port=29500", "--max-restarts=0", "--rdzv-conf=timeout=900", "-m", "trainer", "--model", "cnn"]
 
 
 def test_single_node_defaults_to_one_process_per_gpu():
-    assert plan_from_env({}, gpu_count=lambda: 4).nproc_per_node == 4
+    assert resolve({}, LAUNCHER, gpu_count=lambda: 4).nproc_per_node == 4
 
 
 def test_multi_node():
     env = {"NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "4", "MASTER_ADDR": "10.0.0.5",
            "MASTER_PORT": "29400", "MAX_RESTARTS": "3", "RDZV_TIMEOUT": "60"}
-    assert build_command(env, ["--epochs", "2", "--global-batch-size", "256"], gpu_count=no_gpus)[0] == [
+    assert build_command(env, ["--epochs", "2", "--global-batch-size", "256"], gpu_count=no_gpus).command == [
         "torchrun", "--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--master-addr=10.0.0.5",
         "--master-port=29400", "--max-restarts=3", "--rdzv-conf=timeout=60",
         "-m", "trainer", "--epochs", "2", "--global-batch-size", "256"]
 
 
-def test_torchrun_command_of_a_plan():
-    plan = plan_from_env({"NNODES": "3", "NODE_RANK": "2", "MASTER_ADDR": "head"}, gpu_count=lambda: 8)
-    assert plan.world_size == 24
-    assert torchrun_command(plan, []) == [
+def test_torchrun_command_of_a_topology():
+    topology = resolve({"NNODES": "3", "NODE_RANK": "2", "MASTER_ADDR": "head"}, LAUNCHER, gpu_count=lambda: 8)
+    assert topology.world_size == 24
+    assert torchrun_command(topology, []) == [
         "torchrun", "--nnodes=3", "--node-rank=2", "--nproc-per-node=8", "--master-addr=head",
         "--master-port=29500", "--max-restarts=0", "--rdzv-conf=timeout=900", "-m", "trainer"]
 
 
 def test_rank_and_world_size_without_nnodes_run_one_worker():
     env = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29400"}
-    assert build_command(env, ["--model", "cnn"], gpu_count=no_gpus)[0] == [
+    assert build_command(env, ["--model", "cnn"], gpu_count=no_gpus).command == [
         sys.executable, "-m", "trainer", "--model", "cnn"]
 
 
@@ -67,15 +67,15 @@ def test_global_batch_is_checked_against_the_whole_world():
 
 def test_more_processes_than_gpus():
     with pytest.raises(UsageError, match="NPROC_PER_NODE"):
-        plan_from_env({"NPROC_PER_NODE": "3"}, gpu_count=lambda: 2)
+        resolve({"NPROC_PER_NODE": "3"}, LAUNCHER, gpu_count=lambda: 2)
 
 
 BAD_ENVIRONMENTS = {
-    "node rank not below nnodes": ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK"),
-    "master addr missing on two nodes": ({"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR"),
-    "non-integer nnodes": ({"NNODES": "two"}, "NNODES"),
-    "zero processes": ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE"),
-    "port out of range": ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+    "node rank not below nnodes": ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK (explicit)"),
+    "master addr missing on two nodes": ({"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR (explicit)"),
+    "non-integer nnodes": ({"NNODES": "two"}, "NNODES (explicit)"),
+    "zero processes": ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE (explicit)"),
+    "port out of range": ({"MASTER_PORT": "70000"}, "MASTER_PORT (explicit)"),
     "bad training option": ({"TRAIN_LR": "x"}, "TRAIN_LR"),
     "preflight typo": ({"PREFLIGHT": "flase"}, "PREFLIGHT: 'flase' is not a boolean"),
 }
@@ -134,19 +134,6 @@ def test_trainer_launch_trains_with_two_processes(tmp_path):
     assert checkpoint_steps(tmp_path / "checkpoints") == [3]
 
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("localhost", "localhost"),
-    ("node7", "node7"),
-    ("gpu[07-09,12],cpu1", "gpu07"),
-    ("gpu[12,07-09]", "gpu12"),
-    ("rack-a[3-4]", "rack-a3"),
-    ("host1,host2", "host1"),
-    ("gpu[001-004]", "gpu001"),
-])
-def test_first_slurm_host(nodelist, first):
-    assert first_slurm_host(nodelist) == first
-
-
 @pytest.mark.slow
 def test_slurm_plain_processes_form_a_world_of_two(tmp_path):
     """What `srun --ntasks 2 python -m trainer` does: no torchrun, rank facts from SLURM_* variables."""
@@ -155,9 +142,7 @@ def test_slurm_plain_processes_form_a_world_of_two(tmp_path):
             "--max-steps", "3", "--checkpoint-every", "0", "--num-workers", "0", *dirs_args(tmp_path)]
     workers = [
         subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=clean_env({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
-                                        "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
-                                        "MASTER_PORT": port}))
+                         env=clean_env({**srun_task_env(rank, 2), "MASTER_PORT": port}))
         for rank in range(2)]
     try:
         outputs = [w.communicate(timeout=RUN_TIMEOUT_S) for w in workers]

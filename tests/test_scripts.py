@@ -19,7 +19,8 @@ import pytest
 
 from fault_helpers import Launch, launcher_env, wait_until
 from helpers import (BAD_INPUT_TIMEOUT_S, REPO, RUN_TIMEOUT_S, assert_same_params, assert_usage_error,
-                     checkpoint_steps, clean_env, files_under, free_port, load_checkpoint, read_scalars)
+                     checkpoint_steps, clean_env, files_under, free_port, load_checkpoint, read_scalars,
+                     srun_task_env)
 from torch.utils.data import DistributedSampler
 
 from trainer.checkpoint import list_checkpoints
@@ -181,9 +182,7 @@ def test_the_api_joins_slurm_and_single_process_worlds_too(tmp_path):
     (tmp_path / "slurm").mkdir()
     slurm = [subprocess.Popen([sys.executable, str(LOOP), "--out", "slurm", "--epochs", "1"], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=clean_env({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-                                             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
-                                             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port}))
+                              env=clean_env({**srun_task_env(rank, 2), "MASTER_PORT": port}))
              for rank in range(2)]
     try:
         outputs = [worker.communicate(timeout=RUN_TIMEOUT_S)[0] for worker in slurm]

@@ -18,7 +18,7 @@ Everything here is the code the built-in trainer (`python -m trainer`) runs, not
 Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_checkpoints=3,
     log_every=10, backend="auto", collective_timeout=300.0)
     Joins the process group of whichever launcher started the process (torchrun, srun, or none: one
-    process) and pins this rank's GPU (distributed.detect_topology + distributed.setup).
+    process) and pins this rank's GPU (trainer.topology.resolve + distributed.setup).
     .ctx .rank .local_rank .world_size .device .is_main .is_local_main .distributed
     .barrier()                   every rank waits for every other
     .main_process_first()        context manager: rank 0 runs the block first (a download, a shared file)
@@ -65,6 +65,7 @@ from trainer import distributed
 from trainer.errors import UsageError, exit_on_usage_error, first_line, print_error
 from trainer.sampling import ResumableSampler, epoch_shard
 from trainer.supervisor import stop_host_agent
+from trainer.topology import WORKER, resolve
 
 __all__ = ["Run", "ResumableSampler", "epoch_shard", "dataloader_worker_init", "UsageError"]
 
@@ -93,7 +94,7 @@ class Run:
             if checkpoint_every < 0:
                 raise UsageError("checkpoint_every", f"{checkpoint_every} is negative",
                                  "give 0 (epoch ends only) or more")
-            topology = distributed.detect_topology(os.environ)
+            topology = resolve(os.environ, WORKER)
         try:
             self.ctx = distributed.setup(topology, backend, collective_timeout)
         except UsageError:

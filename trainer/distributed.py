@@ -1,7 +1,7 @@
 """Who this process is, the process group, and named helpers for who does what.
 
-Rank facts are read once from the environment (torchrun, Slurm srun, or nothing at all) into a
-frozen Topology; everything else asks the DistContext instead of re-reading RANK.
+Rank facts are read once from the environment by trainer.topology.resolve (role WORKER) into a frozen
+Topology; everything else asks the DistContext instead of re-reading RANK.
 """
 
 from __future__ import annotations
@@ -15,77 +15,13 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, TypeVar
+from typing import Callable, Iterator, TypeVar
 
-from trainer.errors import UsageError, env_int, first_line
+from trainer.errors import UsageError, first_line
+from trainer.topology import Topology
 
-DEFAULT_MASTER_PORT = 29500
 T = TypeVar("T")
 log = logging.getLogger("trainer")
-
-
-@dataclass(frozen=True)
-class Topology:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    launcher: str  # "torchrun", "slurm" or "single"
-
-    @property
-    def distributed(self) -> bool:
-        return self.launcher != "single"
-
-
-def _master_port(env: Mapping[str, str]) -> int:
-    return env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise UsageError("SLURM_JOB_NODELIST", f"cannot read '{nodelist}'", "set MASTER_ADDR to the first host")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def detect_topology(env: Mapping[str, str]) -> Topology:
-    """Read the rank facts that torchrun or srun put in the environment (none: one plain process)."""
-    if ("RANK" in env) != ("WORLD_SIZE" in env):
-        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-        raise UsageError(missing, f"is not set but {given} is", "set both (as torchrun does) or neither")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = env_int(env, "WORLD_SIZE", None, 1)
-        rank = env_int(env, "RANK", None, 0)
-        if rank >= world_size:
-            raise UsageError("RANK", f"{rank} is not below WORLD_SIZE {world_size}", "give each process a rank in [0, WORLD_SIZE)")
-        return Topology(
-            rank=rank,
-            local_rank=env_int(env, "LOCAL_RANK", None, 0) if "LOCAL_RANK" in env else 0,
-            world_size=world_size,
-            local_world_size=env_int(env, "LOCAL_WORLD_SIZE", None, 1) if "LOCAL_WORLD_SIZE" in env else 1,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_master_port(env),
-            launcher="torchrun",
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world_size = env_int(env, "SLURM_NTASKS", None, 1)
-        master_addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        return Topology(
-            rank=env_int(env, "SLURM_PROCID", None, 0),
-            local_rank=env_int(env, "SLURM_LOCALID", None, 0) if "SLURM_LOCALID" in env else 0,
-            world_size=world_size,
-            local_world_size=env_int(env, "SLURM_NTASKS_PER_NODE", None, 1) if "SLURM_NTASKS_PER_NODE" in env else 1,
-            master_addr=master_addr,
-            master_port=_master_port(env),
-            launcher="slurm",
-        )
-    return Topology(0, 0, 1, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
 
 
 @dataclass
@@ -154,8 +90,9 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
         device = torch.device("cpu")
     if not topology.distributed:
         return DistContext(topology, "none", device)
-    if topology.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # RANK and WORLD_SIZE given by hand (a container per rank): no launcher says what is going on.
+    if topology.started_by in ("explicit", "pytorchjob"):
+        # RANK and WORLD_SIZE given by hand or by the controller (a container per rank): no launcher says what
+        # is going on.
         print(f"rank {topology.rank} of {topology.world_size}: joining the process group at {topology.master_addr}:"
               f"{topology.master_port} (waiting up to {timeout_s:g} s for every rank)", file=sys.stderr, flush=True)
     # env:// reads these; srun, and a container given only RANK and WORLD_SIZE, leave some unset.
@@ -199,8 +136,9 @@ def rendezvous_failure(topology: Topology, err: BaseException, timeout_setting: 
     what = collective_failure(err)
     if what is None:
         return None
-    return (f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check MASTER_ADDR, MASTER_PORT "
-            f"and WORLD_SIZE, and that every rank started; {timeout_setting}, now {timeout_s:g} s, sets the wait)")
+    named = topology.variables("master_addr", "master_port", "world_size") or ["MASTER_ADDR", "MASTER_PORT"]
+    return (f"rendezvous at {topology.master_addr}:{topology.master_port}: {what} (check {', '.join(named)}, "
+            f"and that every rank started; {timeout_setting}, now {timeout_s:g} s, sets the wait)")
 
 
 def teardown(ctx: DistContext) -> None:

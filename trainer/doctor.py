@@ -1,7 +1,7 @@
 """Preflight checks for distributed training in containers (`trainer-doctor`).
 
-Reads the launcher's environment (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_*, *_SOCKET_IFNAME)
-with the launcher's own parser and the training options the way the trainer does (flags, TRAIN_*
+Reads the topology with the launcher's own resolver (trainer/topology.py: NNODES, ..., Slurm, Kubeflow,
+SkyPilot), *_SOCKET_IFNAME, and the training options the way the trainer does (flags, TRAIN_*
 variables, .env), and reports problems that otherwise show up as bus errors or silent hangs.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Mapping, Sequence
 from trainer import catalog
 from trainer.config import TrainConfig, build_parser, load_config
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
-from trainer.launch import LaunchPlan, plan_from_env, visible_gpu_count
+from trainer.launch import visible_gpu_count
+from trainer.topology import LAUNCHER, Topology, resolve
 
 MIB, GIB = 1 << 20, 1 << 30
 SHM_DIR = "/dev/shm"
@@ -101,7 +102,7 @@ def parameter_count(model: str, channels: int, side: int, classes: int) -> int |
     return sum(p.numel() for p in built.parameters() if p.requires_grad)
 
 
-def shm_uses(training: TrainConfig, plan: LaunchPlan, gpus: int) -> tuple[int, int, list[str]]:
+def shm_uses(training: TrainConfig, plan: Topology, gpus: int) -> tuple[int, int, list[str]]:
     """Bytes of /dev/shm the DataLoader workers and the gradient all-reduce need, and what they are."""
     shape = data_shape(training)
     procs, uses = plan.nproc_per_node, []
@@ -125,7 +126,7 @@ def shm_uses(training: TrainConfig, plan: LaunchPlan, gpus: int) -> tuple[int, i
     return loader, allreduce, uses
 
 
-def check_shm(training: TrainConfig | None, plan: LaunchPlan, gpus: int) -> Check:
+def check_shm(training: TrainConfig | None, plan: Topology, gpus: int) -> Check:
     # DataLoader workers hand batches over through /dev/shm: Docker's 64 MiB default kills them with
     # "bus error". CPU processes all on one host all-reduce gradients there (trainer/shm_allreduce.py);
     # without the room they fall back to gloo's slower TCP, so that shortfall only warns.
@@ -252,18 +253,20 @@ def check_interfaces(env: Mapping[str, str], nnodes: int) -> list[Check]:
                   "otherwise NCCL/gloo may pick docker0 or lo")]
 
 
-def check_master(plan: LaunchPlan) -> list[Check]:
+def check_master(plan: Topology) -> list[Check]:
     addr, port = plan.master_addr, plan.master_port
+    given = plan.sources.get("master_addr", "default")
+    where = "" if given.startswith(("default", "MASTER_ADDR")) else f" (from {given})"  # a controller's
     try:
         ips = sorted({i[4][0] for i in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)})
     except (OSError, UnicodeError) as e:
-        return [Check("MASTER_ADDR", "fail", f"{addr} does not resolve ({e})",
+        return [Check("MASTER_ADDR", "fail", f"{addr}{where} does not resolve ({e})",
                       "use node 0's IP, or a hostname every node resolves "
                       "(extra_hosts (compose) / --add-host (docker run))")]
-    loop = plan.nnodes > 1 and plan.node_rank == 0 and all(_is_loopback(ip) for ip in ips)
-    rows = [_check("MASTER_ADDR", "warn" if loop else "pass", f"{addr} -> {', '.join(ips)}",
+    loop = plan.world_size > plan.local_world_size and plan.rank == 0 and all(_is_loopback(ip) for ip in ips)
+    rows = [_check("MASTER_ADDR", "warn" if loop else "pass", f"{addr}{where} -> {', '.join(ips)}",
                    "loopback: other hosts cannot reach it; use this host's routable IP/hostname")]
-    if plan.node_rank == 0:  # node 0 hosts the rendezvous store; everyone else must reach it
+    if plan.rank == 0:  # node 0 (rank 0) hosts the rendezvous store; everyone else must reach it
         return rows
     try:
         socket.create_connection((addr, port), timeout=2).close()
@@ -352,12 +355,11 @@ def run_checks(env: Mapping[str, str], training: TrainConfig | None = None, own_
               f"NCCL {fp['nccl'] or 'n/a'}, Python {fp['python']}"),
     ]
     try:
-        plan = plan_from_env(env, lambda: gpus)
+        plan = resolve(env, LAUNCHER, lambda: gpus)
     except UsageError as err:  # the launcher's own message; the other rows need a topology
         setting, problem, fix = err.parts
         return [Check("topology", "fail", f"{setting}: {problem}", fix), *host]
-    topology = Check("topology", "pass", f"NNODES={plan.nnodes} NODE_RANK={plan.node_rank} "
-                     f"NPROC_PER_NODE={plan.nproc_per_node} (world size {plan.world_size})")
+    topology = Check("topology", "pass", plan.summary().removeprefix("topology: "))
     return [topology, check_shm(training, plan, gpus), check_gpus(gpus, plan.nproc_per_node),
             *check_interfaces(env, plan.nnodes), *check_master(plan), *host]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Mapping
 
 USAGE_EXIT_CODE = 2
 
@@ -67,20 +66,3 @@ def exit_on_usage_error():
                 sys.stderr.write(err.user_traceback)
             print_error(str(err))
         raise SystemExit(USAGE_EXIT_CODE) from None
-
-
-def env_int(env: Mapping[str, str], name: str, default: int | None, minimum: int, maximum: int | None = None) -> int:
-    """An integer environment setting (topology variables), or the one-line error naming it."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        if default is None:
-            raise UsageError(name, "is not set", f"set {name} to a whole number")
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(name, f"'{raw}' is not an integer", f"set {name} to a whole number") from None
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
-        raise UsageError(name, f"{value} is out of range", f"use a value {bounds}")
-    return value

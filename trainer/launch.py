@@ -3,9 +3,12 @@
     trainer-launch [TRAINING OPTIONS]          the built-in trainer (`python -m trainer`) on every process
     trainer-launch my_train.py [ARGS]          your own script on every process (torchrun's convention)
     trainer-launch -m mypkg.train [ARGS]       your own module, as `python -m mypkg.train` would run it
+    trainer-launch --dry-run [...]             print the resolved topology and the command as JSON; start nothing
 
     NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
     MASTER_ADDR (127.0.0.1 on one node; required on several)  MASTER_PORT (29500)
+    or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
+    trainer/topology.py reads them, in the order its docstring and the README give.
     MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
     TRAIN_SCRIPT (unset)  a script path, or -m and a module, used when the command line names none:
                  TRAIN_SCRIPT=/workspace/src/train.py  or  TRAIN_SCRIPT="-m mypkg.train"
@@ -18,13 +21,14 @@ torchrun, with the same topology, preflight, restarts and one-line failure summa
 group setup, resumable sampler, checkpoints, SIGTERM stop and TensorBoard logging.
 The launcher then replaces itself with torchrun (exec of trainer.supervisor, which is torchrun's own
 code in the same process), so signals reach torchrun directly.
-A container given RANK and WORLD_SIZE but no NNODES (one process per container) runs the worker itself.
+A container given RANK and WORLD_SIZE but no node layout (one process per container) runs the worker itself.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import shlex
 import socket
@@ -32,10 +36,12 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from trainer import topology as topo
 from trainer.catalog import importable_as_python_m
 from trainer.config import FALSE_WORDS, LAUNCHER_VARIABLES, TRUE_WORDS, TrainConfig, load_config
-from trainer.distributed import DEFAULT_MASTER_PORT, check_gpu_options, detect_topology
-from trainer.errors import UsageError, env_int, exit_on_usage_error, first_line, print_error
+from trainer.distributed import check_gpu_options
+from trainer.errors import UsageError, exit_on_usage_error, first_line, print_error
+from trainer.topology import Topology, env_int
 
 DEFAULT_RDZV_TIMEOUT = 900
 SCRIPT_ENV = "TRAIN_SCRIPT"
@@ -43,19 +49,15 @@ assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs ac
 BUILTIN = ("-m", "trainer")
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
-    nnodes: int
-    node_rank: int
-    nproc_per_node: int
-    master_addr: str
-    master_port: int
-    max_restarts: int
-    rdzv_timeout: int
+DRY_RUN = "--dry-run"
 
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+
+@dataclass(frozen=True)
+class Launch:
+    """What trainer-launch execs, for which topology, with which training options (None: a user's script)."""
+    command: list[str]
+    topology: Topology
+    cfg: TrainConfig | None
 
 
 def nvidia_devices_present() -> bool:
@@ -72,30 +74,6 @@ def visible_gpu_count() -> int:
         return torch.cuda.device_count()
     except Exception:  # a broken driver should read as "no GPU", not crash the launcher or the doctor
         return 0
-
-
-def plan_from_env(env: Mapping[str, str], gpu_count: Callable[[], int]) -> LaunchPlan:
-    """gpu_count is called only when needed: importing torch to count GPUs takes seconds."""
-    nnodes = env_int(env, "NNODES", 1, 1)
-    node_rank = env_int(env, "NODE_RANK", 0, 0)
-    if node_rank >= nnodes:
-        raise UsageError("NODE_RANK", f"{node_rank} is not below NNODES {nnodes}",
-                         f"give each host a distinct NODE_RANK from 0 to {nnodes - 1}")
-    master_addr = env.get("MASTER_ADDR", "").strip()
-    if not master_addr:
-        if nnodes > 1:
-            raise UsageError("MASTER_ADDR", f"is required when NNODES={nnodes}",
-                             "set it to the address of the NODE_RANK=0 host, the same on every host")
-        master_addr = "127.0.0.1"
-    master_port = env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
-    max_restarts = env_int(env, "MAX_RESTARTS", 0, 0)
-    rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
-    gpus = gpu_count()
-    nproc = env_int(env, "NPROC_PER_NODE", gpus or 2, 1)
-    if gpus and nproc > gpus:
-        raise UsageError("NPROC_PER_NODE", f"{nproc} processes but only {gpus} GPUs are visible",
-                         f"set NPROC_PER_NODE to at most {gpus} (one process per GPU)")
-    return LaunchPlan(nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout)
 
 
 @dataclass(frozen=True)
@@ -166,17 +144,18 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
     return ("-m", name)
 
 
-def torchrun_command(plan: LaunchPlan, args: Sequence[str], target: Sequence[str] = BUILTIN) -> list[str]:
-    """Static rendezvous at MASTER_ADDR:MASTER_PORT: NODE_RANK decides the ranks, so rank 0 is on host 0."""
+def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[str] = BUILTIN,
+                     max_restarts: int = 0, rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT) -> list[str]:
+    """Static rendezvous at MASTER_ADDR:MASTER_PORT: the node rank decides the ranks, so rank 0 is on node 0."""
     return [
         "torchrun",
-        f"--nnodes={plan.nnodes}",
-        f"--node-rank={plan.node_rank}",
-        f"--nproc-per-node={plan.nproc_per_node}",
-        f"--master-addr={plan.master_addr}",
-        f"--master-port={plan.master_port}",
-        f"--max-restarts={plan.max_restarts}",
-        f"--rdzv-conf=timeout={plan.rdzv_timeout}",
+        f"--nnodes={topology.nnodes}",
+        f"--node-rank={topology.node_rank}",
+        f"--nproc-per-node={topology.nproc_per_node}",
+        f"--master-addr={topology.master_addr}",
+        f"--master-port={topology.master_port}",
+        f"--max-restarts={max_restarts}",
+        f"--rdzv-conf=timeout={rdzv_timeout}",
         *target, *args,
     ]
 
@@ -186,26 +165,24 @@ def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) 
 
 
 def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count
-                  ) -> tuple[list[str], TrainConfig | None, LaunchPlan | None]:
-    """The command to exec, the training options it runs with (None for a user's script) and its topology
-    (None when this process is the one worker), validated on the way."""
+                  ) -> Launch:
+    """The command to exec, its topology and the training options it runs with, validated on the way."""
     program = choose_program(argv, env)
-    if not program.builtin:
-        if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
-            detect_topology(env)  # checks RANK and WORLD_SIZE
-            return single_worker_command(program.args, program.target), None, None
-        plan = plan_from_env(env, gpu_count)
-        return torchrun_command(plan, program.args, program.target), None, plan
-    trainer_args = list(program.args)
-    if "RANK" in env and "WORLD_SIZE" in env and "NNODES" not in env:
-        cfg = load_config(trainer_args, env, world_size=detect_topology(env).world_size)  # checks RANK too
-        return single_worker_command(trainer_args), cfg, None
     # All but the world-size checks, before counting GPUs (which may import torch).
-    options = load_config(trainer_args, env, world_size=1)
-    plan = plan_from_env(env, gpu_count)
-    # The worker's own check, before torchrun starts ranks that would each fail with it.
-    check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, plan.world_size)
-    return torchrun_command(plan, trainer_args), load_config(trainer_args, env, world_size=plan.world_size), plan
+    options = load_config(list(program.args), env, world_size=1) if program.builtin else None
+    topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
+    if topology.mode == topo.DIRECT:  # this process is one rank already: no torchrun
+        command = single_worker_command(program.args, program.target)
+    else:
+        max_restarts = env_int(env, "MAX_RESTARTS", 0, 0)
+        rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
+        command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
+    if options is None:
+        return Launch(command, topology, None)
+    if topology.mode == topo.TORCHRUN:
+        # The worker's own check, before torchrun starts ranks that would each fail with it.
+        check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, topology.world_size)
+    return Launch(command, topology, load_config(list(program.args), env, world_size=topology.world_size))
 
 
 def preflight_enabled(env: Mapping[str, str]) -> bool:
@@ -217,19 +194,36 @@ def preflight_enabled(env: Mapping[str, str]) -> bool:
     raise UsageError("PREFLIGHT", f"'{raw}' is not a boolean", "use 1 to run trainer-doctor first or 0 to skip it")
 
 
+def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    """--dry-run first, or anywhere among the built-in trainer's options (a script's arguments are its own)."""
+    args = list(argv)
+    if args[:1] == [DRY_RUN]:
+        return True, args[1:]
+    builtin = args[0].startswith("-") and args[0] != "-m" and not env.get(SCRIPT_ENV, "").strip() if args else False
+    if builtin and DRY_RUN in args:
+        return True, [a for a in args if a != DRY_RUN]
+    return False, args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
         print("\nThe built-in trainer's options (python -m trainer --help):")
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
+    dry_run, args = split_dry_run(args, os.environ)
     with exit_on_usage_error():
-        command, cfg, plan = build_command(os.environ, args)
+        launch = build_command(os.environ, args)
+        if dry_run:
+            print(json.dumps({**launch.topology.facts(), "command": launch.command}, indent=2))
+            return 0
         preflight = preflight_enabled(os.environ)
-        if plan is not None:
-            ensure_master_port_free(plan)
+        if launch.topology.mode == topo.TORCHRUN:
+            ensure_master_port_free(launch.topology)
+    print(launch.topology.summary(), file=sys.stderr, flush=True)
     if preflight:
-        run_preflight(cfg)
+        run_preflight(launch.cfg)
+    command = launch.command
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
     if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
         command = [sys.executable, "-m", "trainer.supervisor", *command[1:]]
@@ -237,17 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0  # not reached
 
 
-def ensure_master_port_free(plan: LaunchPlan) -> None:
+def ensure_master_port_free(topology: Topology) -> None:
     """Node 0's torchrun hosts the rendezvous store on MASTER_PORT. A taken port would otherwise show
     only after the rendezvous timeout, as a C++ error about the store."""
-    if plan.node_rank != 0:
+    if topology.node_rank != 0:
         return
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is no conflict
         try:
-            sock.bind(("", plan.master_port))
+            sock.bind(("", topology.master_port))
         except OSError as err:
-            raise UsageError("MASTER_PORT", f"{plan.master_port} cannot be used on this host ({err.strerror})",
+            given = topology.sources.get("master_port", "default")
+            raise UsageError("MASTER_PORT (default)" if given == "default" else given,
+                             f"{topology.master_port} cannot be used on this host ({err.strerror})",
                              "stop what listens there (another NODE_RANK=0 launcher?) or choose a free "
                              "MASTER_PORT, the same on every host") from None
 

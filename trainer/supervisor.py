@@ -12,12 +12,25 @@ import signal
 import sys
 from typing import Mapping
 
-from trainer.errors import print_error
+from trainer.errors import UsageError, print_error
 
 # Workers find their host's agent (this process) here: see stop_host_agent.
 AGENT_PID_ENV = "TRAINER_AGENT_PID"
-RENDEZVOUS_FIX = ("start every host with the same NNODES, MASTER_ADDR and MASTER_PORT, NODE_RANK 0 first; "
-                  "open MASTER_PORT on the NODE_RANK 0 host's firewall; raise RDZV_TIMEOUT for slow starts")
+
+
+def rendezvous_fix(env: Mapping[str, str]) -> str:
+    """What to check, in the names of the variables this job's topology came from (NNODES by hand,
+    SLURM_NNODES under Slurm, PET_NNODES on Kubeflow, ...)."""
+    from trainer.topology import LAUNCHER, resolve
+
+    try:  # the launcher resolved this very environment before it exec'd us
+        topology = resolve(env, LAUNCHER, lambda: 0)
+        same = topology.variables("nnodes", "master_addr", "master_port") or ["NNODES", "MASTER_ADDR", "MASTER_PORT"]
+        rank = (topology.variables("node_rank") or ["NODE_RANK"])[0]
+    except UsageError:
+        same, rank = ["NNODES", "MASTER_ADDR", "MASTER_PORT"], "NODE_RANK"
+    return (f"every host needs the same {', '.join(same)} and the host with {rank}=0 up; open the master port "
+            "in that host's firewall; raise RDZV_TIMEOUT for slow starts")
 
 
 def _arg(args: list[str], name: str) -> str:
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if err.sigval in (signal.SIGTERM, signal.SIGINT) else 1
     except (RendezvousError, DistError, TimeoutError) as err:
         detail = " ".join(str(err).split())[:300]
-        print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({RENDEZVOUS_FIX})")
+        print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({rendezvous_fix(os.environ)})")
         return 1
     return 0
 

@@ -16,6 +16,7 @@ from trainer.config import TrainConfig, load_config, no_step_error
 from trainer.distributed import DistContext
 from trainer.errors import EchoedUsageError, UsageError, exit_on_usage_error, first_line, os_reason, print_error
 from trainer.supervisor import stop_host_agent
+from trainer.topology import WORKER, resolve
 
 log = logging.getLogger("trainer")
 WARMUP_STEPS_EXCLUDED = 5  # allocator, cudnn autotune and compile make the first steps slow
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_worker(argv: list[str] | None) -> int:
     started = time.perf_counter()
     with exit_on_usage_error():
-        topology = distributed.detect_topology(os.environ)
+        topology = resolve(os.environ, WORKER)
         cfg = load_config(argv, os.environ, topology.world_size)
         try:
             ctx = distributed.setup(topology, cfg.backend, cfg.collective_timeout)

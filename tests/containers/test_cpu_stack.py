@@ -144,8 +144,8 @@ def test_stop_checkpoints_and_up_resumes(make_project):
 
 BAD_INPUT = {
     "node-rank-not-below-nnodes": (None, {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"},
-                                   r"^error: NODE_RANK: "),
-    "multinode-without-master-addr": (MULTINODE_FILE, {"NODE_RANK": "1"}, r"^error: MASTER_ADDR: "),
+                                   r"^error: NODE_RANK \(explicit\): "),
+    "multinode-without-master-addr": (MULTINODE_FILE, {"NODE_RANK": "1"}, r"^error: MASTER_ADDR \(explicit\): "),
     "missing-data-dir": (None, {"TRAIN_DATASET": "imagefolder", "DATA_DIR": "<missing>"}, r"^error: TRAIN_DATA_DIR: "),
 }
 
