@@ -40,7 +40,7 @@ def run_params(cfg, ctx) -> dict[str, Any]:
     return {
         "config": cfg.as_dict(),
         "topology": {"world_size": ctx.world_size, "nodes": max(1, ctx.world_size // topology.local_world_size),
-                     "local_world_size": topology.local_world_size, "launcher": topology.launcher,
+                     "local_world_size": topology.local_world_size, "started_by": topology.started_by,
                      "backend": ctx.backend, "device": str(ctx.device),
                      "gpu": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None},
         "versions": {**version_fingerprint(), "torchvision": _version("torchvision"), "trainer": trainer_version,
