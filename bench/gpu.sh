@@ -11,10 +11,12 @@
 #   5. the input path alone (python -m bench --input): pil, cpu, packed and gpu, images/s per core.
 #   6. --strategy fsdp: the largest ViT (bench.usermodel's 4, 8, 12 billion parameters) that trains on one
 #      GPU with fsdp + activation checkpointing + CPU offload and not with ddp (+ activation checkpointing);
-#   7. fsdp/ddp throughput, ResNet-50 224x224, bf16 + channels_last, one GPU.
+#   7. fsdp/ddp throughput, ResNet-50 224x224, bf16 + channels_last, one GPU;
+#   8. per-rank step timing on CUDA events (GPU memory, utilization), a profiler trace with CUDA
+#      kernels, trainer-report, and the defaults (timing on) against --step-timing false.
 # Results (the harness's .md/.json and the logs) go to $OUT, or bench/results.
 #
-#     bash bench/gpu.sh          # all seven
+#     bash bench/gpu.sh          # all eight
 #     bash bench/gpu.sh 1 2      # some
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-sections=${*:-1 2 3 4 5 6 7}
+sections=${*:-1 2 3 4 5 6 7 8}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
@@ -94,4 +96,33 @@ if [[ " $sections " == *" 7 "* ]]; then
   $python -m bench --nproc 1 --stacks trainer baseline --model resnet50 --image-size 224 --batch-size 256 \
     --steps 25 --threads 4 --trainer-args '--strategy fsdp --amp bf16 --channels-last' \
     --baseline-args '--strategy ddp --amp bf16 --channels-last' --out "$out"
+fi
+
+if [[ " $sections " == *" 8 "* ]]; then
+  echo "== 8. step timing on CUDA events, a profiler trace, trainer-report; timing on vs off"
+  work=$(mktemp -d)
+  $python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer --model cifar_resnet18 \
+    --synthetic-size 25600 --batch-size 256 --max-steps 60 --log-every 10 --val-every 0 --profile-steps 40:42 \
+    --tracker tensorboard,csv --log-dir "$work/runs" --checkpoint-dir "$work/checkpoints" --env-file /dev/null
+  $python -m trainer.report "$work/runs" | tee "$out/report.txt"
+  cp "$work/runs/summary.json" "$out/timing-summary.json"
+  cp "$work/runs/report.png" "$out/report.png"
+  $python - "$work/runs" <<'EOF'
+import csv, json, sys
+from pathlib import Path
+runs = Path(sys.argv[1])
+rank = json.loads((runs / "summary.json").read_text())["ranks"][0]
+print("rank 0:", rank)
+assert rank["compute_ms"] > 0 and rank["max_memory_mb"] > 0, rank
+tags = {row["tag"] for row in csv.DictReader((runs / "metrics.csv").open())}
+assert "gpu/max_memory_mb/rank0" in tags and "time/compute_ms/rank0" in tags, sorted(tags)
+print("utilization logged:", "gpu/utilization_pct/rank0" in tags)
+trace = json.loads(next((runs / "profile").glob("rank0.*.json")).read_text())["traceEvents"]
+steps = sorted({e["name"] for e in trace if e.get("name", "").startswith("ProfilerStep#")})
+kernels = sum(1 for e in trace if e.get("cat") == "kernel")
+print("trace:", steps, kernels, "kernels")
+assert steps == ["ProfilerStep#40", "ProfilerStep#41", "ProfilerStep#42"] and kernels > 0
+EOF
+  $python -m bench --nproc 1 --stacks trainer baseline --model resnet18 --batch-size 256 --steps 100 --threads 4 \
+    --trainer-args '--log-every 10' --baseline-args '--log-every 10 --step-timing false' --out "$out"
 fi

@@ -167,6 +167,14 @@ TABLE = {
     ".env misspelt name": BadInput(WORKER, "TRAIN_BATCHSIZE", dotenv="TRAIN_BATCHSIZE=16\n"),
     "environment misspelt name": worker("TRAIN_EPOCH", TRAIN_EPOCH="1"),
     "RANK without WORLD_SIZE": worker("WORLD_SIZE (explicit)", RANK="0"),
+    # Observability (issue 16); a tracker package that is missing: tests/test_observe.py.
+    "unknown tracker": launcher("--tracker", "--tracker", "tensorboard,neptune"),
+    "TRAIN_TRACKER misspelt": launcher("TRAIN_TRACKER", TRAIN_TRACKER="tensorbord"),
+    "profile steps out of order": launcher("--profile-steps", "--profile-steps", "9:3"),
+    "profile steps not A:B": launcher("--profile-steps", "--profile-steps", "10-15"),
+    "profile steps beyond max steps": launcher("--profile-steps", "--profile-steps", "5:20", "--max-steps", "10"),
+    "profile steps beyond the run's last step": worker("--profile-steps", "--profile-steps", "3:100"),
+    "profile ranks outside the world": launcher("--profile-ranks", "--profile-ranks", "0,7"),
 }
 
 

@@ -9,10 +9,12 @@ import pytest
 
 from helpers import (checkpoint_steps, dirs_args, final_params, free_port, load_checkpoint, max_param_difference,
                      read_scalars, read_summary, train_ok, write_mnist)
+from trainer import steptiming
 from trainer.metrics import Throughput
 from trainer.train import WARMUP_STEPS_EXCLUDED
 
-TRAIN_TAGS = {"Loss/train", "lr", "throughput/samples_per_s", "time/epoch_s"}
+TRAIN_TAGS = {"Loss/train", "lr", "throughput/samples_per_s", "time/epoch_s",
+              *(f"time/{name}/rank{rank}" for name in steptiming.FIELDS for rank in (0, 1))}  # 2 processes
 CLASSIFIER_VAL_TAGS = {"Loss/val", "acc1/val", "acc5/val"}
 
 # One epoch each, so validation runs and the epoch-end checkpoint is written: synthetic-size /

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import io
 import math
 import os
@@ -91,6 +92,14 @@ class TrainConfig:
     val_every: int = option(1, "validate every N epochs (0: never)")
     log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
     log_dir: str = option("./runs", "TensorBoard events and summary.json")
+    tracker: str = option("tensorboard", "experiment trackers, comma-separated: tensorboard, csv (metrics.csv), "
+                          "wandb, mlflow (rank 0 only; offline by default: WANDB_MODE=offline into --log-dir, "
+                          "an MLflow file store in <log-dir>/mlruns; sync later, see the README)")
+    step_timing: bool = option(True, "per-rank step timing every --log-every steps (data wait, compute, "
+                               "collective wait, optimizer) and the slowest rank named")
+    profile_steps: str = option("", "torch.profiler traces of optimizer steps A:B (A to B inclusive) into "
+                                "<log-dir>/profile/ as Chrome/Perfetto JSON (empty: off)")
+    profile_ranks: str = option("all", "ranks that record --profile-steps: all, or a comma-separated list (0,1)")
     # Checkpoints.
     checkpoint_dir: str = option("./checkpoints", "where checkpoints are committed")
     checkpoint_every: int = option(500, "checkpoint every N optimizer steps (0: only at epoch ends)")
@@ -255,6 +264,60 @@ def no_step_error(batches_per_rank: int, grad_accum: int) -> UsageError:
                       "micro-batches", "lower --batch-size or --grad-accum, or use more data")
 
 
+# --tracker, --profile-steps and --profile-ranks: read here, once; trackers.py and profiling.py use these.
+TRACKERS = {"tensorboard": "tensorboard", "csv": None, "wandb": "wandb", "mlflow": "mlflow"}  # -> module needed
+TRACKER_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # pip extras and the image's TRACKERS build argument
+
+
+def tracker_names(text: str, setting: str = "--tracker") -> list[str]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            raise UsageError(setting, f"unknown tracker '{name}'", "choose from " + ", ".join(TRACKERS))
+        module = TRACKERS[name]
+        if module and importlib.util.find_spec(module) is None:
+            extra = TRACKER_EXTRAS.get(name, name)
+            raise UsageError(setting, f"{name} is not installed", f"pip install 'ddp-trainer[{extra}]', or build "
+                             f"the image with --build-arg TRACKERS={extra}; or drop {name} from {setting}")
+    return list(dict.fromkeys(names))
+
+
+def profile_window(text: str, setting: str = "--profile-steps") -> tuple[int, int] | None:
+    """--profile-steps A:B as (A, B), optimizer steps counted from 1; None when off."""
+    if not text.strip():
+        return None
+    first, sep, last = text.strip().partition(":")
+    try:
+        window = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        raise UsageError(setting, f"'{text}' is not A:B", "give optimizer steps such as 10:15") from None
+    if window[0] < 1 or window[1] < window[0]:
+        raise UsageError(setting, f"'{text}' is out of order", "give A:B with 1 <= A <= B, such as 10:15")
+    return window
+
+
+def profile_rank_list(text: str, world_size: int, setting: str = "--profile-ranks") -> list[int]:
+    if text.strip().lower() == "all":
+        return list(range(world_size))
+    try:
+        ranks = sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise UsageError(setting, f"'{text}' is not a list of ranks", "give all, or ranks such as 0,1") from None
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world_size:
+        raise UsageError(setting, f"'{text}' names no rank of this world of {world_size}",
+                         f"give ranks from 0 to {world_size - 1}, or all")
+    return ranks
+
+
+def _check_observability(cfg: TrainConfig, world_size: int, setting) -> None:
+    tracker_names(cfg.tracker, setting("tracker"))
+    window = profile_window(cfg.profile_steps, setting("profile_steps"))
+    if window and cfg.max_steps and window[1] > cfg.max_steps:
+        raise UsageError(setting("profile_steps"), f"{cfg.profile_steps} ends beyond --max-steps {cfg.max_steps}",
+                         f"profile steps up to {cfg.max_steps}")
+    profile_rank_list(cfg.profile_ranks, world_size, setting("profile_ranks"))
+
+
 def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
     def setting(name: str) -> str:
         return sources.get(name, flag_name(name))
@@ -275,6 +338,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     for name in ("data_dir", "log_dir", "checkpoint_dir"):
         if not getattr(cfg, name).strip():
             raise UsageError(setting(name), "is empty", "give a directory path")
+    _check_observability(cfg, world_size, setting)
     catalog.check_model_name(cfg.model, setting("model"))
     catalog.check_dataset_name(cfg.dataset, setting("dataset"))
     if cfg.dataset == "synthetic":

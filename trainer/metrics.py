@@ -1,4 +1,4 @@
-"""What the run tells its user: log lines, TensorBoard scalars, a progress bar, summary.json.
+"""What the run tells its user: log lines, scalars (TensorBoard and the other trackers), a progress bar, summary.json.
 
 Only rank 0 writes; other ranks log warnings, prefixed with their rank (errors are `error:` lines on any rank).
 """
@@ -10,13 +10,12 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trainer.distributed import DistContext
-from trainer.errors import os_reason
+from trainer.errors import first_line, os_reason
 
 
 def setup_logging(ctx: DistContext) -> None:
@@ -27,50 +26,46 @@ def setup_logging(ctx: DistContext) -> None:
 
 
 class Scalars:
-    """TensorBoard scalars on rank 0; silent elsewhere. Events that cannot be written (a full disk) are
-    given up with one warning: they are worth less than the training, whose checkpoints go elsewhere."""
+    """Rank 0's scalars, to every tracker of --tracker (trackers.py); silent elsewhere. A tracker that
+    fails (a full disk, a lost server) is given up with one warning: the scalars are worth less than
+    the training, whose checkpoints go elsewhere. `run`: the built-in trainer's config, which names the
+    trackers and is recorded as the run's parameters (without one: TensorBoard only, as for trainer.api)."""
 
-    def __init__(self, ctx: DistContext, log_dir: str, purge_step: int | None):
-        self.writer = None
+    def __init__(self, ctx: DistContext, log_dir: str, purge_step: int | None, run=None):
+        self.trackers: list = []
         self.log_dir = log_dir
         if ctx.is_main:
-            from torch.utils.tensorboard import SummaryWriter
+            from trainer import trackers
+            from trainer.config import tracker_names
 
-            # purge_step drops events a killed run wrote after its last checkpoint.
-            self.writer = SummaryWriter(log_dir, purge_step=purge_step)
-            _quiet_event_writer_thread()
+            params = trackers.run_params(run, ctx) if run is not None else None
+            if params is not None:
+                try:
+                    write_json_atomic(Path(log_dir) / trackers.PARAMS_FILE, params)
+                except OSError as err:
+                    logging.warning("cannot write %s in %s (%s)", trackers.PARAMS_FILE, log_dir, os_reason(err))
+            names = tracker_names(run.tracker) if run is not None else ["tensorboard"]
+            self.trackers = trackers.start(names, log_dir, purge_step, params)
 
     def add(self, step: int, **values: float) -> None:
-        if self.writer is not None:
+        for tracker in list(self.trackers):
             try:
-                for tag, value in values.items():
-                    self.writer.add_scalar(tag, value, step)
-            except OSError as err:
-                self._give_up(err)
+                tracker.log(step, values)
+            except Exception as err:  # noqa: BLE001 (see the class doc)
+                self._give_up(tracker, err)
 
     def close(self) -> None:
-        if self.writer is not None:
+        for tracker in list(self.trackers):
             try:
-                self.writer.close()
-            except OSError as err:
-                self._give_up(err)
+                tracker.close()
+            except Exception as err:  # noqa: BLE001
+                self._give_up(tracker, err)
 
-    def _give_up(self, err: OSError) -> None:
-        logging.warning("TensorBoard events can no longer be written to %s (%s): training goes on without them",
-                        self.log_dir, os_reason(err))
-        self.writer = None
-
-
-def _quiet_event_writer_thread() -> None:
-    """TensorBoard's writer thread dies with a traceback when a write fails, then hands the same error to
-    the training thread's next add_scalar (Scalars reports it there, in one line)."""
-    previous = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
-            previous(args)
-
-    threading.excepthook = hook
+    def _give_up(self, tracker, err: Exception) -> None:
+        why = os_reason(err) if isinstance(err, OSError) else f"{type(err).__name__}: {first_line(err)}"
+        logging.warning("%s can no longer be written to %s (%s): training goes on without them",
+                        tracker.what, tracker.where, why)
+        self.trackers.remove(tracker)
 
 
 class Progress:

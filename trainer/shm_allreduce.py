@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -54,6 +55,7 @@ class SharedMemoryAllReduce:
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
         self.buffers: dict[int, list[torch.Tensor]] = {}  # bucket index -> every rank's buffer, mapped here
+        self.intervals: list[tuple[float, float]] = []  # perf_counter spans in the hook, for step timing
 
     def map_bucket(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         handles = all_gather_objects(self.ctx, share(buffer))
@@ -63,6 +65,7 @@ class SharedMemoryAllReduce:
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP checks them, and this module's are strings
         """All-reduce one torch.distributed.GradBucket in place; returns a completed future of its buffer."""
+        began = time.perf_counter()
         buffer = bucket.buffer()
         mapped = state.buffers.get(bucket.index())
         if mapped is None or mapped[state.ctx.rank].data_ptr() != buffer.data_ptr():  # DDP rebuilt its buckets
@@ -81,6 +84,8 @@ class SharedMemoryAllReduce:
         barrier(state.ctx)  # every slice is summed: the buckets may be read, and next step written
         done = torch.futures.Future()
         done.set_result(buffer)
+        if len(state.intervals) < 10_000:  # read and cleared every step while step timing is on
+            state.intervals.append((began, time.perf_counter()))
         return done
 
 

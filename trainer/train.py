@@ -183,7 +183,7 @@ def evaluate(model, batches, ctx: DistContext, autocast: Callable, objective) ->
 def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     import torch
 
-    from trainer import checkpoint, strategy
+    from trainer import checkpoint, profiling, steptiming, strategy
     from trainer.data import Batches, build_datasets
     from trainer.metrics import Progress, Scalars, Throughput, write_json_atomic
     from trainer.models import Objective, build_model
@@ -211,6 +211,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
     micro_per_epoch = steps_per_epoch * cfg.grad_accum
     total_steps = steps_per_epoch * cfg.epochs
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    profiling.check_window(cfg, total_steps)
     if found is not None and found[0]["global_step"] >= total_steps:
         # A finished job started again (compose up, a scheduler's retry): its results stay as they are.
         log.info("nothing to do: %s is at step %d of %d (raise --epochs or --max-steps to train on)",
@@ -270,7 +271,9 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    scalars = Scalars(ctx, cfg.log_dir, purge_step=position.step + 1 if position.step else None)
+    timing = steptiming.StepTiming(cfg, ctx, model, ddp_model, optimizer)
+    profiler = profiling.StepProfiler(cfg, ctx, optimizer, total_steps, position.step)
+    scalars = Scalars(ctx, cfg.log_dir, purge_step=position.step + 1 if position.step else None, run=cfg)
     progress = Progress(ctx, total_steps, position.step)
     throughput = Throughput(cfg.samples_per_step, WARMUP_STEPS_EXCLUDED, sync)
     stop = distributed.GracefulStop()
@@ -288,7 +291,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             break
         epoch_start = time.perf_counter()
         micro = position.batch if epoch == position.epoch else 0
-        for inputs, labels in train_batches.epoch(epoch, micro, micro_per_epoch):
+        for inputs, labels in timing.batches(train_batches.epoch(epoch, micro, micro_per_epoch)):
             micro += 1
             boundary = micro % cfg.grad_accum == 0
             with runner.no_sync(boundary):
@@ -310,14 +313,15 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
             if step == position.step + 1:
                 log.info("first step done %.1f s after the worker started", time.perf_counter() - started)
             if step % cfg.log_every == 0 or step == total_steps:
-                train_loss = distributed.all_reduce_sum(ctx, loss_sum).item() / (loss_count * ctx.world_size)
+                train_loss = timing.reduce_loss(loss_sum) / (loss_count * ctx.world_size)
                 # The same loss on every rank, so every rank joins the check. A non-finite loss with
                 # finite weights is an fp16 overflow the loss scaler skipped: training goes on.
                 if not math.isfinite(train_loss) and not weights_are_finite(ctx, model):
                     raise diverged(step)
                 rate = throughput.window_rate()
                 lr = scheduler.get_last_lr()[0]
-                scalars.add(step, **{"Loss/train": train_loss, "lr": lr, "throughput/samples_per_s": rate})
+                scalars.add(step, **{"Loss/train": train_loss, "lr": lr, "throughput/samples_per_s": rate},
+                            **timing.scalars())
                 progress.update(step, epoch, train_loss, lr, rate)
                 loss_sum.zero_()
                 loss_count = 0
@@ -349,6 +353,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
 
     stop_vote.finish()  # every rank leaves with no collective in flight
     stop.close()
+    profiler.close()
     sync()
     progress.close()
     scalars.close()
@@ -358,7 +363,7 @@ def train(cfg: TrainConfig, ctx: DistContext, started: float) -> int:
         "samples_seen": step * cfg.samples_per_step, "samples_per_second": throughput.samples_per_second(),
         "wall_seconds": time.perf_counter() - started, "train_loss": train_loss,
         "val_loss": val_metrics.get("Loss/val"), "val_acc1": val_metrics.get("acc1/val"),
-        "val_acc5": val_metrics.get("acc5/val"), "resumed_from_step": resumed_from,
+        "val_acc5": val_metrics.get("acc5/val"), "resumed_from_step": resumed_from, **timing.summary(),
     }
     if ctx.is_main:
         try:
