@@ -14,7 +14,6 @@ ratio to the median of pil, and the wall-clock images/s beside it. Without --dat
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -25,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.results import describe_machine, now, write_results
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 from trainer.scale import prepare_out
 
@@ -256,13 +256,12 @@ def main(argv: list[str]) -> int:
             imagenet_like_folder(args.make_data, args.images, workers=os.cpu_count() or 1)
             return 0
         prepare_out(args.out)
-    from bench.run import describe_machine
 
     root, packed, facts = prepare_data(args)
     settings = (f"{args.split}, {args.image_size} px, batch {args.batch_size}, {args.workers} workers, "
                 f"{args.batches} timed batches after {args.warmup}")
     header = {"command": shlex.join(["python", "-m", "bench", "--input", *argv]),
-              "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": describe_machine(),
+              "date": now(), "machine": describe_machine(),
               "settings": settings, "data": facts}
     runs = []
     for round_number in range(1, args.rounds + 1):
@@ -273,10 +272,7 @@ def main(argv: list[str]) -> int:
                   f"per core  {result['images_per_second']:8.1f} images/s", file=sys.stderr, flush=True)
     summary = summarise(runs, args.paths)
     table = markdown(summary, header)
-    stem = args.out / datetime.datetime.now().strftime("input-%Y%m%d-%H%M%S")
-    stem.with_suffix(".md").write_text(table)
-    stem.with_suffix(".json").write_text(json.dumps({**header, "runs": runs, **summary}, indent=2) + "\n")
-    print(table + f"\nwritten: {stem}.md, {stem}.json")
+    write_results(args.out, "input", header, runs, summary, table)
     return 0
 
 

@@ -15,11 +15,9 @@ bench/results/<stamp>.{md,json}. `--input` measures the input path alone (bench/
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -27,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.results import describe_machine, now, write_results
 from trainer import catalog
 from trainer.config import load_config
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
@@ -208,15 +207,6 @@ def markdown(summary: dict, header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe_machine() -> str:
-    import torch
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return f"{os.cpu_count()} CPUs ({cpu}), {device}, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--input" in argv:  # the input path alone: bench/inputpath.py
@@ -227,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         prepare_out(args.out)  # before the runs: a bad --out must not cost the benchmark
     header = {"command": shlex.join(["python", "-m", "bench", *argv]),
-              "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": describe_machine(),
+              "date": now(), "machine": describe_machine(),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     runs = []
     for round_number in range(1, args.rounds + 1):
@@ -241,8 +231,5 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs, args.nproc, args.stacks)
     header["other_cores_busy"] = statistics.median(r["other_cores_busy"] for r in runs)
     table = markdown(summary, header)
-    stem = args.out / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S")
-    stem.with_suffix(".md").write_text(table)
-    stem.with_suffix(".json").write_text(json.dumps({**header, "runs": runs, **summary}, indent=2) + "\n")
-    print(table + f"\nwritten: {stem}.md, {stem}.json")
+    write_results(args.out, "bench", header, runs, summary, table)
     return 0

@@ -194,7 +194,7 @@ class _ImageFolderWithKeys(Dataset):
         except OSError as err:  # no class folders, no images in them, or unreadable
             raise UsageError("--data-dir", f"{root}: {first_line(err, 200)}",
                              f"put images in {root}/<class>/ (.jpg, .png, ...) readable by this user") from None
-        self.seed = seed
+        self.seed, self.train, self.side, self.augment = seed, train, image_size, augment
         self.transform = image_transforms(train, image_size, augment)
 
     def __len__(self) -> int:

@@ -215,10 +215,6 @@ def view_from_bytes(data: bytes, path: str, key: int, side: int, train: bool, au
 class FastImageFolder(_ImageFolderWithKeys):
     """--dataset imagefolder on the fast CPU path (--decode cpu)."""
 
-    def __init__(self, root: Path, train: bool, image_size: int, augment: str, seed: int):
-        super().__init__(root, train, image_size, augment, seed)
-        self.train, self.side, self.augment = train, image_size, augment
-
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
         path, label = self.folder.samples[index]
@@ -284,10 +280,6 @@ class FileBatch:
 
 class GpuImageFolder(_ImageFolderWithKeys):
     """--dataset imagefolder on the GPU path (--decode gpu): workers read bytes, the device decodes."""
-
-    def __init__(self, root: Path, train: bool, image_size: int, augment: str, seed: int):
-        super().__init__(root, train, image_size, augment, seed)
-        self.train, self.side, self.augment = train, image_size, augment
 
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
