@@ -9,6 +9,7 @@ step hook, so the training loop does not know about it; off (the default) it reg
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from trainer.config import profile_rank_list, profile_window
@@ -50,6 +51,9 @@ class StepProfiler:
             self._start()
 
     def _start(self) -> None:
+        # Kineto logs every start and stop (and, on a CPU-only build, an ERROR line about CUDA devices) per
+        # rank; level 5 keeps the run's log to our one hint line. A user's own setting wins.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         import torch
         from torch.profiler import ProfilerAction, ProfilerActivity
 
