@@ -77,6 +77,11 @@ def net(spec):
     return Net(spec)
 
 
+def one_val_sample(cfg):
+    train, val, spec = data(cfg)
+    return train, TensorDataset(*val[:1]), spec
+
+
 def flat(spec):
     return nn.Sequential(nn.Flatten(), nn.Linear(128, spec.num_classes))
 '''
@@ -184,6 +189,17 @@ def test_a_2_process_checkpoint_resumed_at_another_world_size_trains_every_sampl
     # Two epochs of 320 samples: every sample exactly twice, none replayed, none skipped.
     assert sorted(counts) == list(range(320)) and set(counts.values()) == {2}, \
         {i: n for i, n in counts.items() if n != 2}
+
+
+@pytest.mark.slow
+def test_a_rank_without_a_validation_batch_still_joins_fsdps_collectives(tmp_path):
+    """One validation sample, two ranks: rank 1 has no batch of its own, yet every forward under fsdp is
+    an all-gather, so it must forward something (zeros shaped like rank 0's inputs) or rank 0 hangs."""
+    (tmp_path / "fsdpcode.py").write_text(USER_MODULE)
+    args = [*USER_RUN, "--dataset", "fsdpcode:one_val_sample", "--epochs", "1"]  # validation ends an epoch
+    done = train_ok([*args, *dirs_args(tmp_path)], tmp_path, nproc=2)
+    summary = read_summary(tmp_path / "runs")
+    assert summary["global_step"] == 20 and summary["val_loss"] is not None, (summary, done.stderr[-2000:])
 
 
 @pytest.mark.slow

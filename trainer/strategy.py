@@ -216,9 +216,24 @@ def evaluation_batches(model: nn.Module, batches, ctx: DistContext) -> Iterator:
         return
     from trainer import distributed
 
-    counts = distributed.all_gather_objects(ctx, batches.num_batches)
-    last = None
-    for last in batches.epoch(0):
+    import torch
+
+    epoch = iter(batches.epoch(0))
+    last = next(epoch, None)
+    # A rank may have no validation batch at all (fewer samples than ranks): it forwards zeros shaped
+    # like another rank's inputs, so it still joins every all-gather.
+    shape = None if last is None else (tuple(last[0].shape), str(last[0].dtype).removeprefix("torch."))
+    facts = distributed.all_gather_objects(ctx, (batches.num_batches, shape))
+    if last is not None:
         yield last
-    for _ in range(max(counts) - batches.num_batches):
-        model(last[0])
+        for last in epoch:
+            yield last
+    missing = max(count for count, _ in facts) - batches.num_batches
+    if missing > 0:
+        if last is not None:
+            spare = last[0]
+        else:
+            size, dtype = next(shape for _, shape in facts if shape is not None)
+            spare = torch.zeros(size, dtype=getattr(torch, dtype), device=ctx.device)
+        for _ in range(missing):
+            model(spare)
