@@ -19,7 +19,8 @@ import pytest
 from containerlib import COMPOSE_FILE, MULTINODE_FILE
 
 FIRST_STEP = r"first step done"
-ONE_LINE_ERROR = r"^error: \S+: .+ \(.+\)$"
+# <setting>, or for a topology variable <VARIABLE> (<the source it came from>), as issue 14 asks
+ONE_LINE_ERROR = r"^error: \S+( \([^)]+\))?: .+ \(.+\)$"
 
 
 def checkpoints(project) -> list[Path]:
