@@ -75,11 +75,11 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 def test_script_command_is_torchrun_with_the_script_and_its_own_arguments(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_train.py").write_text("")
-    command, options, plan = build_command({}, ["my_train.py", "--lr", "x"], gpu_count=lambda: 0)
-    assert command[-4:] == ["--rdzv-conf=timeout=900", "my_train.py", "--lr", "x"]  # not the trainer's --lr check
-    assert options is None and plan.world_size == 2
+    launch = build_command({}, ["my_train.py", "--lr", "x"], gpu_count=lambda: 0)
+    assert launch.command[-4:] == ["--rdzv-conf=timeout=900", "my_train.py", "--lr", "x"]  # not the trainer's --lr check
+    assert launch.cfg is None and launch.topology.world_size == 2
     user_package(tmp_path)
-    assert build_command({"TRAIN_SCRIPT": "-m mypkg.train"}, ["--epochs", "1"], gpu_count=lambda: 0)[0][-4:] == [
+    assert build_command({"TRAIN_SCRIPT": "-m mypkg.train"}, ["--epochs", "1"], gpu_count=lambda: 0).command[-4:] == [
         "-m", "mypkg.train", "--epochs", "1"]
 
 

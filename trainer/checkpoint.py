@@ -168,8 +168,10 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
     if not directory.is_dir():
         return []
+    # A step-N.pt counts whatever it is: one that cannot be read must stop the resume with its name, not
+    # be passed over for an older step. A step-N directory counts once its marker is there.
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))
-             and (p.is_file() if m.group(2) else (p / COMMIT_MARKER).is_file())]
+             and (m.group(2) or (p / COMMIT_MARKER).is_file())]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -262,8 +264,9 @@ def load(path: Path) -> dict[str, Any]:
 
 def load_ours(path: Path) -> dict[str, Any]:
     """A checkpoint this trainer wrote; OSError if the file cannot be read, ValueError if it is something else.
-    Of a sharded directory only its small state file is read (every rank reads its shards later)."""
-    if path.is_dir():
+    Of a sharded directory only its small state file is read (every rank reads its shards later). A
+    step-N.pt is a file whatever it is on disk: one that is a directory cannot be read (OSError)."""
+    if path.is_dir() and path.suffix != ".pt":
         from trainer import sharded
 
         if list_checkpoints(path):
