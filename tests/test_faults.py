@@ -378,8 +378,11 @@ def test_stopping_one_host_stops_the_whole_job_at_once(tmp_path, launches, stopp
 @pytest.mark.parametrize("delay_s", [1.0, 2.5])
 def test_ctrl_c_while_starting_ends_in_one_line(tmp_path, delay_s):
     """Before the training loop's handler exists, SIGINT is Python's KeyboardInterrupt: no traceback either."""
+    # As in a terminal: SIGINT at its default. A runner started in the background by a non-interactive shell
+    # (`ci &`) hands its children SIGINT ignored, and Python keeps it ignored: no Ctrl-C would reach them.
     worker = subprocess.Popen([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=640)], cwd=tmp_path,
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay_s)
     worker.send_signal(signal.SIGINT)
     _, stderr = worker.communicate(timeout=RUN_BOUND_S)
