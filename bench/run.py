@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shlex
 import socket
@@ -170,7 +171,7 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
 
 
 def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
-    summary: dict = {"stacks": {}, "ratios": {}, "scaling_efficiency": {}}
+    summary: dict = {"stacks": {}, "ratios": {}, "paired": {}, "scaling_efficiency": {}}
     for nproc in nprocs:
         per_stack = {}
         for stack in stacks:
@@ -183,12 +184,31 @@ def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
         ratios = {f"{a}/{b}": medians[a] / medians[b] for a, b in pairs if a in medians and b in medians}
         if ratios:
             summary["ratios"][str(nproc)] = ratios
+            summary["paired"][str(nproc)] = {
+                f"{a}/{b}": paired_ratios(runs, nproc, a, b) for a, b in pairs if a in medians and b in medians}
     low, high = min(nprocs), max(nprocs)
     if high > low:
         for stack in stacks:
             speedup = summary["stacks"][str(high)][stack]["median"] / summary["stacks"][str(low)][stack]["median"]
             summary["scaling_efficiency"][stack] = speedup / (high / low)
     return summary
+
+
+def paired_ratios(runs: list[dict], nproc: int, a: str, b: str) -> dict:
+    """a/b within each round (the two ran minutes apart at most, so a slow spell of the machine
+    divides out), their median and its distribution-free 95% interval: the order statistics k and
+    n + 1 - k, k the largest with P(Binomial(n, 1/2) < k) <= 2.5% (the whole range below 6 rounds)."""
+    by_round = {(r["round"], r["stack"]): r["samples_per_second"] for r in runs if r["nproc"] == nproc}
+    rounds = sorted({n for n, _ in by_round})
+    values = sorted(by_round[n, a] / by_round[n, b] for n in rounds if (n, a) in by_round and (n, b) in by_round)
+    count, k = len(values), 1
+
+    def below(j: int) -> float:  # P(Binomial(count, 1/2) < j)
+        return sum(math.comb(count, i) for i in range(j)) / 2 ** count
+
+    while k + 1 <= count // 2 and below(k + 1) <= 0.025:
+        k += 1
+    return {"values": values, "median": statistics.median(values), "low": values[k - 1], "high": values[count - k]}
 
 
 def markdown(summary: dict, header: dict) -> str:
@@ -200,7 +220,10 @@ def markdown(summary: dict, header: dict) -> str:
             lines.append(f"| {nproc} | {stack} | {s['median']:.1f} | {s['min']:.1f}-{s['max']:.1f} | {len(s['runs'])} |")
     lines.append("")
     for nproc, ratios in summary["ratios"].items():
-        lines += [f"- {nproc} processes: {name} = {value:.3f}" for name, value in ratios.items()]
+        for name, value in ratios.items():
+            paired = summary["paired"][nproc][name]
+            lines.append(f"- {nproc} processes: {name} = {value:.3f}; within each round: median {paired['median']:.3f}, "
+                         f"95% interval {paired['low']:.3f}-{paired['high']:.3f} ({len(paired['values'])} rounds)")
     low_high = sorted(int(n) for n in summary["stacks"])
     lines += [f"- scaling efficiency {low_high[-1]} vs {low_high[0]} processes, {stack}: {value:.3f}"
               for stack, value in summary["scaling_efficiency"].items()]

@@ -238,6 +238,12 @@ def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, a
     value = result["ratios"][str(nproc)][ratio]
     assert value == pytest.approx(medians[numerator]["median"] / medians[denominator]["median"])
     assert f"{ratio} = {value:.3f}" in next(out.glob("bench-*.md")).read_text()
+    # Within each round too: the runs' own ratios, their median and (3 rounds) their whole range.
+    speed = {(r["round"], r["stack"]): r["samples_per_second"] for r in result["runs"]}
+    per_round = sorted(speed[n, numerator] / speed[n, denominator] for n in (1, 2, 3))
+    paired = result["paired"][str(nproc)][ratio]
+    assert paired["values"] == pytest.approx(per_round)
+    assert (paired["median"], paired["low"], paired["high"]) == pytest.approx((per_round[1], per_round[0], per_round[2]))
     return result
 
 

@@ -76,8 +76,8 @@ class TrainConfig:
     channels_last: bool = option(False, "NHWC memory format (faster convolutions on tensor cores)")
     compile: bool = option(False, "torch.compile the model")
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes")
-    shm_allreduce: bool = option(True, "CPU processes all on one host: all-reduce gradients through shared "
-                                 "memory instead of gloo's TCP (the same sums)")
+    shm_allreduce: bool = option(True, "CPU processes all on one host: exchange gradients (and fsdp's weights) "
+                                 "through shared memory instead of gloo's TCP (the same sums)")
     loader: str = option("auto", "input path: memory (batched tensor ops, on the GPU when there is one), "
                          "dataloader (worker processes), auto (memory for in-memory datasets: synthetic, "
                          "cifar10, mnist)",

@@ -73,6 +73,28 @@ def resolve_backend(choice: str) -> str:
     return choice
 
 
+def keep_freed_memory() -> None:
+    """Training on the CPU: serve large allocations from the heap and keep freed memory for the next step.
+
+    glibc gives every allocation over 32 MiB (fsdp's all-gathered blocks, a large batch's activations) a
+    fresh mmap and unmaps it when freed, so every step touches those pages anew: a page fault and a
+    zeroed page per 4 KiB, ~20% of a 2-process ResNet-50 step under ddp and more under fsdp
+    (docs/benchmarks.md). Kept, they are reused as CUDA's caching allocator reuses device memory; the
+    process's resident memory then stays at its peak. Left alone where the user chose an allocator
+    (jemalloc or tcmalloc preloaded) or glibc's settings (MALLOC_*_ or GLIBC_TUNABLES)."""
+    import ctypes
+    import platform
+
+    chosen = os.environ.get("GLIBC_TUNABLES") or any(key.startswith("MALLOC_") and key.endswith("_")
+                                                     for key in os.environ)
+    if chosen or "malloc" in os.environ.get("LD_PRELOAD", "") or platform.libc_ver()[0] != "glibc":
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt(m_mmap_max, 0)
+    mallopt(m_trim_threshold, 2**31 - 1)
+
+
 def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistContext:
     """Pin the device and form the process group (skipped for a single plain process)."""
     import torch
@@ -88,6 +110,7 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
         device = torch.device("cuda", topology.local_rank)
     else:
         device = torch.device("cpu")
+        keep_freed_memory()
     if not topology.distributed:
         return DistContext(topology, "none", device)
     if topology.started_by in ("explicit", "pytorchjob"):

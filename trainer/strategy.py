@@ -155,8 +155,15 @@ class FSDPStrategy(Strategy):
         for block in self.blocks:
             if self.cfg.compile:  # per block, before sharding, as torchtitan does: the hooks stay outside
                 block.compile()
-            fully_shard(block, mesh=mesh, mp_policy=precision, offload_policy=offload)
+            # The last block stays gathered after its forward, as in torchtitan: the backward pass
+            # begins with it and would gather it again at once.
+            fully_shard(block, mesh=mesh, mp_policy=precision, offload_policy=offload,
+                        reshard_after_forward=block is not self.blocks[-1])
         fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
+        if self.cfg.shm_allreduce:
+            from trainer.shm_fsdp import register_if_usable
+
+            register_if_usable([*self.blocks, model], self.ctx)
         return model
 
     def no_sync(self, boundary: bool) -> ContextManager:
