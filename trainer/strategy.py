@@ -154,7 +154,10 @@ class FSDPStrategy(Strategy):
             else OffloadPolicy()
         for block in self.blocks:
             if self.cfg.compile:  # per block, before sharding, as torchtitan does: the hooks stay outside
-                block.compile()
+                # Static shapes: blocks of one class at several widths (ResNet's stages) would otherwise be
+                # retraced with symbolic shapes, which Inductor fails to compile on the CPU (BatchNorm's
+                # backward, torch 2.15); each width compiles once instead.
+                block.compile(dynamic=False)
             # The last block stays gathered after its forward, as in torchtitan: the backward pass
             # begins with it and would gather it again at once.
             fully_shard(block, mesh=mesh, mp_policy=precision, offload_policy=offload,
