@@ -112,3 +112,18 @@ def test_bench_failed_run_ends_with_the_workers_error_and_exit_code(tmp_path):
     assert lines[-1].startswith("error: training failed: rank 0 exited with code 2"), result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     assert not list((tmp_path / "out").glob("bench-*"))
+
+
+def test_bench_timing_cost_alternates_blocks_with_step_timing_on_and_off(tmp_path):
+    """The direct measure of what --step-timing adds per step: the trainer's StepTiming on one copy of
+    a small model and off on another, in alternating blocks, with a paired interval."""
+    done = subprocess.run([sys.executable, "-m", "bench.timing_cost", "--blocks", "4", "--steps", "20",
+                           "--log-every", "5", "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(tmp_path.glob("timing-cost-*.json")).read_text())
+    assert [(r["round"], r["stack"]) for r in result["runs"]] == [(n, s) for n in (1, 2, 3, 4) for s in ("on", "off")]
+    assert result["step_us"]["on"] > 0 and result["step_us"]["off"] > 0
+    assert len(result["paired"]["values"]) == 4
+    assert result["cost_us"]["low"] <= result["cost_us"]["median"] <= result["cost_us"]["high"]
+    assert "step timing's cost per step" in next(tmp_path.glob("timing-cost-*.md")).read_text()

@@ -1,0 +1,124 @@
+"""`python -m bench.timing_cost`: what --step-timing adds to one optimizer step, in microseconds.
+
+The interleaved runs of the main harness (`python -m bench --stacks trainer baseline --baseline-args
+'--step-timing false'`) compare whole runs, and this VM's run-to-run noise (several %) hides a cost
+below 1%. This measures the cost itself: in one process, two copies of a small model, each with its
+optimizer and the trainer's own StepTiming (one on, one off), train in alternating blocks of steps
+(on, off, on, ...) through the same loop shape as trainer.train: batches through `timing.batches`,
+forward, backward, optimizer step, and every --log-every steps `reduce_loss` and `scalars`. The model
+is small so that a step takes about a millisecond: what timing adds per step (hooks, perf_counter
+readings, the window's bookkeeping) does not grow with the model, so the difference per step is the
+cost for any model, to be set against that model's step time.
+
+    python -m bench.timing_cost --blocks 40 --steps 50
+
+Reported: the median step time on and off, their difference in microseconds with a distribution-free
+95% interval over the block pairs, and that difference as a share of a given step time (--step-ms,
+e.g. the 2-process ResNet-18 step of the main harness's run).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.results import describe_machine, now, write_results
+from bench.run import RESULTS, paired_ratios
+from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
+
+
+def one_copy(timing_on: bool, log_every: int):
+    import torch
+    from torch import nn
+
+    from trainer.config import load_config
+    from trainer.distributed import DistContext
+    from trainer.optim import build_optimizer
+    from trainer.steptiming import StepTiming
+    from trainer.topology import WORKER, resolve
+
+    cfg = load_config(["--env-file", os.devnull, "--step-timing", str(timing_on).lower(), "--log-every",
+                       str(log_every)], {}, world_size=1)
+    ctx = DistContext(resolve({}, WORKER), "none", torch.device("cpu"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    optimizer = build_optimizer(cfg, model)
+    return model, optimizer, StepTiming(cfg, ctx, model, model, optimizer)
+
+
+def run_block(copy, batches: list, log_every: int) -> float:
+    """Seconds per step over the block, the loop shaped as trainer.train's."""
+    import torch
+
+    model, optimizer, timing = copy
+    loss_sum = torch.zeros(())
+    began = time.perf_counter()
+    for step, (x, y) in enumerate(timing.batches(batches), start=1):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach()
+        if step % log_every == 0:
+            timing.reduce_loss(loss_sum)
+            timing.scalars()
+            loss_sum = torch.zeros(())
+    return (time.perf_counter() - began) / len(batches)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = OneLineErrorParser(prog="python -m bench.timing_cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=40, help="blocks of steps per setting, alternating")
+    parser.add_argument("--steps", type=int, default=50, help="steps per block")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-ms", type=float, default=348.0,
+                        help="a real step's time to express the cost against (default: the 2-process "
+                             "ResNet-18 step of docs/benchmarks.md's interleaved run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
+    with exit_on_usage_error():
+        args = parser.parse_args(argv)
+        for setting, value in (("--blocks", args.blocks), ("--steps", args.steps), ("--log-every", args.log_every)):
+            if value < 1:
+                raise UsageError(setting, f"{value} is below 1", "give 1 or more")
+        import torch
+
+        torch.set_num_threads(1)
+        generator = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+                   for _ in range(args.steps)]
+        copies = {True: one_copy(True, args.log_every), False: one_copy(False, args.log_every)}
+        for on in (True, False):  # warm-up: the first step hooks every gradient
+            run_block(copies[on], batches, args.log_every)
+        runs = []
+        for block in range(1, args.blocks + 1):
+            for on in (True, False):
+                seconds = run_block(copies[on], batches, args.log_every)
+                runs.append({"round": block, "nproc": 1, "stack": "on" if on else "off",
+                             "samples_per_second": 1.0 / seconds})  # steps per second, for paired_ratios
+        step_us = {stack: statistics.median(1e6 / r["samples_per_second"] for r in runs if r["stack"] == stack)
+                   for stack in ("on", "off")}
+        paired = paired_ratios(runs, 1, "off", "on")  # off's speed over on's = on's step time over off's
+        cost_us = {key: (paired[key] - 1.0) * step_us["off"] for key in ("median", "low", "high")}
+        header = {"command": shlex.join(["python", "-m", "bench.timing_cost", *argv]), "date": now(),
+                  "machine": describe_machine()}
+        summary = {"step_us": step_us, "cost_us": cost_us, "paired": paired,
+                   "share_of_step": {key: value / (args.step_ms * 1000.0) for key, value in cost_us.items()},
+                   "step_ms": args.step_ms}
+        table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
+                 f"- step time, median over {args.blocks} blocks of {args.steps} steps: timing on "
+                 f"{step_us['on']:.1f} us, off {step_us['off']:.1f} us\n"
+                 f"- step timing's cost per step: {cost_us['median']:.1f} us (95% interval "
+                 f"{cost_us['low']:.1f} to {cost_us['high']:.1f} us)\n"
+                 f"- against a {args.step_ms:g} ms step: {summary['share_of_step']['median']:.4%} (interval "
+                 f"{summary['share_of_step']['low']:.4%} to {summary['share_of_step']['high']:.4%})\n")
+        write_results(args.out, "timing-cost", header, runs, summary, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
