@@ -146,6 +146,10 @@ class SharedMemoryReduceScatter(ReduceScatter):
         dtype, rank = input_tensor.dtype, self.ctx.rank
         index = (self.areas.calls - 1) % 2
         staged = _view(self.areas.areas[index][rank], dtype, total)
+        if output_tensor.untyped_storage().data_ptr() == staged.untyped_storage().data_ptr():
+            # fsdp allocated in another order than input, then output: staging would overwrite the output
+            raise RuntimeError("shared-memory reduce-scatter: its output is in a staging buffer "
+                               "(run with --shm-allreduce false)")
         if staged.data_ptr() != input_tensor.data_ptr():  # fsdp wrote elsewhere: stage the peers' parts
             for peer in range(self.ctx.world_size):
                 if peer != rank:
