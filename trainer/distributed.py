@@ -78,8 +78,8 @@ def keep_freed_memory() -> None:
 
     glibc gives every allocation over 32 MiB (fsdp's all-gathered blocks, a large batch's activations) a
     fresh mmap and unmaps it when freed, so every step touches those pages anew: a page fault and a
-    zeroed page per 4 KiB, ~20% of a 2-process ResNet-50 step under ddp and more under fsdp
-    (docs/benchmarks.md). Kept, they are reused as CUDA's caching allocator reuses device memory; the
+    zeroed page per 4 KiB (~2% of a 2-process ResNet-50 step on 32x32 images under ddp, more under
+    fsdp, whose gathered blocks are that large; docs/benchmarks.md). Kept, they are reused as CUDA's caching allocator reuses device memory; the
     process's resident memory then stays at its peak. Left alone where the user chose an allocator
     (jemalloc or tcmalloc preloaded) or glibc's settings (MALLOC_*_ or GLIBC_TUNABLES)."""
     import ctypes

@@ -4,19 +4,16 @@ The reason is shm_allreduce.py's: gloo moves every byte through TCP even between
 host, on the cores that compute. Under fsdp that is worse than under ddp, as a block's parameters
 are all-gathered twice per step (forward, then backward) besides its gradients' reduce-scatter: at 2
 processes ResNet-50 spent ~360 ms of a 1.3 s step in gloo. FSDP2 lets a module take its own
-collectives (`set_custom_all_gather`, `set_custom_reduce_scatter`); these use shared memory:
+collectives (`set_custom_all_gather`, `set_custom_reduce_scatter`); these use shared memory
+(the classes below say how, and why no rank can overwrite what a peer still reads):
 
-- all-gather: each rank copies its shard into its staging area; after a barrier each rank copies
-  its peers' shards out of theirs;
-- reduce-scatter: each rank copies the parts of its gradients that its peers own into its staging
-  area; after a barrier each rank sums its own part over every rank's area, in rank order (so every
-  rank's sum is the one any other rank would compute), and averages it as fsdp asks.
+- all-gather: every rank's shard goes straight into one shared buffer, and a barrier later the
+  buffer holds them all;
+- reduce-scatter: every rank's gradients go into its own shared buffer, and after a barrier each
+  rank sums its part over all of them.
 
-Each rank has two staging areas per collective, used in turn (call k uses area k % 2). A rank
-cannot write an area again while a peer still reads it: its next write there is call k + 2, which
-comes after the barrier of call k + 1, which the peer reaches only once it has read call k. The
-calls come in the same order with the same sizes on every rank (fsdp pads every shard to one size),
-so an area that is too small grows on every rank at the same call, shared anew with the peers.
+The calls come in the same order with the same sizes on every rank (fsdp pads every shard to one
+size), so a buffer that is too small grows on every rank at the same call, shared anew.
 """
 
 from __future__ import annotations
