@@ -35,7 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.results import RESULTS
+
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trainer-args", default="", help="trainer settings for both strategies")
     parser.add_argument("--fsdp-args", default="", help="trainer settings for fsdp alone, e.g. --fsdp-cpu-offload")
     parser.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # one run, under torchrun
     parser.add_argument("--strategy", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.results import describe_machine, now, write_results
+from bench.results import RESULTS, describe_machine, now, write_results
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 from trainer.scale import prepare_out
 
@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=12, help="timed batches per run (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches first (workers start, queues fill)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every path (at least 3)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--make-data", type=Path, metavar="DIR", help="only generate the ImageNet-like folder "
                         "(--images of them) in DIR, then exit (bench/gpu.sh trains on it)")
     parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # a single run, in a child process

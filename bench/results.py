@@ -1,16 +1,21 @@
 """What every bench command writes: the machine it ran on, and its table and runs under --out.
 
-Shared by `python -m bench` (bench/run.py) and its input-only mode (bench/inputpath.py), so both
-describe the machine the same way and their results files have one layout.
+Shared by `python -m bench` (bench/run.py), its input-only mode (bench/inputpath.py) and
+`python -m bench.timing_cost`, so all describe the machine the same way, their results files have one
+layout, and paired runs are summarised alike.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
+import statistics
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"  # every bench command's default --out
 
 
 def describe_machine() -> str:
@@ -32,3 +37,20 @@ def write_results(out: Path, prefix: str, header: dict, runs: list, summary: dic
     stem.with_suffix(".md").write_text(table)
     stem.with_suffix(".json").write_text(json.dumps({**header, "runs": runs, **summary}, indent=2) + "\n")
     print(table + f"\nwritten: {stem}.md, {stem}.json")
+
+
+def paired_ratios(runs: list[dict], nproc: int, a: str, b: str) -> dict:
+    """a/b within each round (the two ran minutes apart at most, so a slow spell of the machine
+    divides out), their median and its distribution-free 95% interval: the order statistics k and
+    n + 1 - k, k the largest with P(Binomial(n, 1/2) < k) <= 2.5% (the whole range below 6 rounds)."""
+    by_round = {(r["round"], r["stack"]): r["samples_per_second"] for r in runs if r["nproc"] == nproc}
+    rounds = sorted({n for n, _ in by_round})
+    values = sorted(by_round[n, a] / by_round[n, b] for n in rounds if (n, a) in by_round and (n, b) in by_round)
+    count, k = len(values), 1
+
+    def below(j: int) -> float:  # P(Binomial(count, 1/2) < j)
+        return sum(math.comb(count, i) for i in range(j)) / 2 ** count
+
+    while k + 1 <= count // 2 and below(k + 1) <= 0.025:
+        k += 1
+    return {"values": values, "median": statistics.median(values), "low": values[k - 1], "high": values[count - k]}

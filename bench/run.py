@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import shlex
 import socket
@@ -26,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.results import describe_machine, now, write_results
+from bench.results import RESULTS, describe_machine, now, paired_ratios, write_results
 from trainer import catalog
 from trainer.config import load_config
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
@@ -35,7 +34,6 @@ from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, 
                            run_counting_other_work, torchrun_command)
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 STACKS = ("trainer", "handwritten", "lightning", "container", "baseline", "launcher", "torchrun")
 DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
 MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run",
@@ -192,23 +190,6 @@ def summarise(runs: list[dict], nprocs: list[int], stacks: list[str]) -> dict:
             speedup = summary["stacks"][str(high)][stack]["median"] / summary["stacks"][str(low)][stack]["median"]
             summary["scaling_efficiency"][stack] = speedup / (high / low)
     return summary
-
-
-def paired_ratios(runs: list[dict], nproc: int, a: str, b: str) -> dict:
-    """a/b within each round (the two ran minutes apart at most, so a slow spell of the machine
-    divides out), their median and its distribution-free 95% interval: the order statistics k and
-    n + 1 - k, k the largest with P(Binomial(n, 1/2) < k) <= 2.5% (the whole range below 6 rounds)."""
-    by_round = {(r["round"], r["stack"]): r["samples_per_second"] for r in runs if r["nproc"] == nproc}
-    rounds = sorted({n for n, _ in by_round})
-    values = sorted(by_round[n, a] / by_round[n, b] for n in rounds if (n, a) in by_round and (n, b) in by_round)
-    count, k = len(values), 1
-
-    def below(j: int) -> float:  # P(Binomial(count, 1/2) < j)
-        return sum(math.comb(count, i) for i in range(j)) / 2 ** count
-
-    while k + 1 <= count // 2 and below(k + 1) <= 0.025:
-        k += 1
-    return {"values": values, "median": statistics.median(values), "low": values[k - 1], "high": values[count - k]}
 
 
 def markdown(summary: dict, header: dict) -> str:

@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.results import describe_machine, now, write_results
-from bench.run import RESULTS, paired_ratios
+from bench.results import RESULTS, describe_machine, now, paired_ratios, write_results
 from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 
 
