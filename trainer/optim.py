@@ -28,7 +28,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     from torch.distributed.tensor import DTensor
 
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    fused = next(model.parameters()).device.type in ("cpu", "cuda") and not sharded
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")
     kernel = {"foreach": True} if sharded else {"fused": fused}
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), **kernel)

@@ -120,10 +120,14 @@ def sharing_problem(ctx: DistContext, nbytes: int) -> str | None:
     return next((p for p in all_gather_objects(ctx, problem) if p), None)
 
 
+def all_cpu_on_one_host(ctx: DistContext) -> bool:
+    """Whether every rank is a CPU (gloo) process of this host: where shared memory can replace TCP."""
+    return ctx.device.type == "cpu" and ctx.backend == "gloo" and ctx.topology.local_world_size == ctx.world_size
+
+
 def register_if_usable(ddp_model: torch.nn.parallel.DistributedDataParallel, ctx: DistContext) -> None:
     """Use shared memory when every rank is a CPU process of this host and all agree (a collective)."""
-    one_host = ctx.topology.local_world_size == ctx.world_size
-    if ctx.device.type != "cpu" or ctx.backend != "gloo" or not one_host:
+    if not all_cpu_on_one_host(ctx):
         return
     grad_bytes = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
     # Every local rank's buckets, twice while DDP rebuilds them after the first step.

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from trainer.distributed import DistContext, all_gather_objects, barrier
-from trainer.shm_allreduce import open_shared, share, sharing_problem
+from trainer.shm_allreduce import all_cpu_on_one_host, open_shared, share, sharing_problem
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ class SharedMemoryAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         handed = self.areas.handed[(self.areas.calls - 1) % self.AREAS]
-        if handed is None or handed() is None or handed().data_ptr() != output_tensor.data_ptr():
+        ours = handed() if handed is not None else None
+        if ours is None or ours.data_ptr() != output_tensor.data_ptr():
             raise RuntimeError("shared-memory all-gather: called on a buffer it did not allocate")
         # Done once every rank's shard is in place: the barrier's work, which fsdp waits on before it
         # copies the parameters out. Its backward pass gathers the next block before computing this
@@ -167,11 +168,8 @@ class SharedMemoryReduceScatter(ReduceScatter):
 def register_if_usable(modules: list[nn.Module], ctx: DistContext) -> None:
     """Give every fsdp module of the model (its blocks, then its root) the shared-memory collectives,
     when every rank is a CPU process of this host and all agree (a collective)."""
-    one_host = ctx.topology.local_world_size == ctx.world_size
-    if ctx.device.type != "cpu" or ctx.backend != "gloo" or not one_host:
+    if not all_cpu_on_one_host(ctx):
         return
-    # Every rank's four areas: a reduce-scatter's hold the largest block's fp32 gradients, an
-    # all-gather's its shard.
     root = modules[-1]
     in_blocks = {id(p) for module in modules[:-1] for p in module.parameters()}
     sizes = [sum(p.numel() for p in module.parameters()) for module in modules[:-1]]
