@@ -175,7 +175,9 @@ def register_if_usable(modules: list[nn.Module], ctx: DistContext) -> None:
     sizes = [sum(p.numel() for p in module.parameters()) for module in modules[:-1]]
     sizes.append(sum(p.numel() for p in root.parameters() if id(p) not in in_blocks))
     largest = max(sizes) * 4  # a block's whole gradients in fp32 (a DTensor's numel is the global one)
-    problem = sharing_problem(ctx, ctx.world_size * 2 * (largest + largest // ctx.world_size))
+    # Each rank's two reduce-scatter buffers hold a block's gradients; the four gather buffers, one set
+    # for all ranks, a gathered block.
+    problem = sharing_problem(ctx, ctx.world_size * 2 * largest + SharedMemoryAllGather.AREAS * largest)
     if problem:
         log.warning("fsdp's all-gathers and reduce-scatters go through gloo's TCP, not shared memory: %s "
                     "(raise shm_size, or --shm-allreduce false to silence this)", problem)
