@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from trainer.data import make_synthetic, synthetic_spec
-from trainer.errors import OneLineErrorParser, exit_on_usage_error
-from trainer.models import build_model as _build_model
-from trainer.scale import STEPS_HELP, check_timed_steps
-from trainer.train import WARMUP_STEPS_EXCLUDED
+from trainer.cli.scale import STEPS_HELP, check_timed_steps
+from trainer.core.errors import OneLineErrorParser, exit_on_usage_error
+from trainer.data.datasets import make_synthetic
+from trainer.data.images import synthetic_spec
+from trainer.engine.models import build_model as _build_model
+from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED
 
 UNTIMED_STEPS = WARMUP_STEPS_EXCLUDED  # every stack leaves the trainer's number of first steps out of the timing
 

@@ -1,7 +1,7 @@
 """`python -m bench.fsdp_memory`: per-rank training state under --strategy ddp and fsdp, on CPU processes.
 
 For each model, strategy and process count (interleaved, --rounds times) a torchrun of CPU processes
-builds the model the trainer's way (trainer.strategy wraps it, trainer.optim builds SGD with
+builds the model the trainer's way (trainer.dist.strategy wraps it, trainer.engine.optim builds SGD with
 momentum), trains --steps steps on synthetic images and then counts, per rank, the bytes of what
 that rank holds of the parameters, their gradients and the optimizer state (fsdp: its shards; ddp:
 everything), and its peak resident memory. Reported: the medians, and fsdp/ddp at each count
@@ -41,7 +41,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from trainer.errors import OneLineErrorParser
+    from trainer.core.errors import OneLineErrorParser
 
     parser = OneLineErrorParser(prog="python -m bench.fsdp_memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"])
@@ -73,19 +73,20 @@ def local_bytes(tensors) -> int:
 
 def worker(args: argparse.Namespace) -> None:
     """One run: rank 0 writes every rank's numbers to args.worker."""
-    import torch
-
-    from trainer import distributed
-    from trainer.config import load_config
-    from trainer.data import synthetic_spec
-    from trainer.models import build_model
-    from trainer.optim import build_optimizer
-    from trainer.strategy import for_run
-    from trainer.topology import WORKER, resolve
-
     import time
 
-    ctx = distributed.setup(resolve(os.environ, WORKER), "auto", 600)
+    import torch
+
+    from trainer.cluster.topology import WORKER, resolve
+    from trainer.config.settings import load_config
+    from trainer.data.images import synthetic_spec
+    from trainer.dist import collectives
+    from trainer.dist.context import setup, teardown
+    from trainer.dist.strategy import for_run
+    from trainer.engine.models import build_model
+    from trainer.engine.optim import build_optimizer
+
+    ctx = setup(resolve(os.environ, WORKER), "auto", 600)
     extra = shlex.split(args.trainer_args) + (shlex.split(args.fsdp_args) if args.strategy == "fsdp" else [])
     cfg = load_config(["--model", args.model, "--strategy", args.strategy, "--env-file", "/dev/null",
                        "--synthetic-image-size", str(args.image_size), "--shm-allreduce", "false", *extra],
@@ -115,10 +116,10 @@ def worker(args: argparse.Namespace) -> None:
            "peak_gpu": torch.cuda.max_memory_allocated() if ctx.device.type == "cuda" else 0,
            "samples_per_second": (args.steps - 1) * args.batch_size * ctx.world_size / seconds if seconds else 0.0,
            "loss": loss.item()}
-    rows = distributed.all_gather_objects(ctx, row)
+    rows = collectives.all_gather_objects(ctx, row)
     if ctx.is_main:
         Path(args.worker).write_text(json.dumps(rows) + "\n")
-    distributed.teardown(ctx)
+    teardown(ctx)
 
 
 def run_once(model: str, strategy: str, nproc: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -174,8 +175,8 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.errors import exit_on_usage_error
-    from trainer.scale import prepare_out
+    from trainer.cli.scale import prepare_out
+    from trainer.core.errors import exit_on_usage_error
 
     args = parse_args(argv)
     if args.worker:

@@ -104,7 +104,7 @@ if [[ " $sections " == *" 8 "* ]]; then
   $python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer --model cifar_resnet18 \
     --synthetic-size 25600 --batch-size 256 --max-steps 60 --log-every 10 --val-every 0 --profile-steps 40:42 \
     --tracker tensorboard,csv --log-dir "$work/runs" --checkpoint-dir "$work/checkpoints" --env-file /dev/null
-  $python -m trainer.report "$work/runs" | tee "$out/report.txt"
+  $python -m trainer.cli.report "$work/runs" | tee "$out/report.txt"
   cp "$work/runs/summary.json" "$out/timing-summary.json"
   cp "$work/runs/report.png" "$out/report.png"
   $python - "$work/runs" <<'EOF'

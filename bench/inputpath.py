@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from bench.results import RESULTS, describe_machine, now, write_results
-from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
-from trainer.scale import prepare_out
+from trainer.cli.scale import prepare_out
+from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 PATHS = ("pil", "cpu", "packed", "gpu")
@@ -110,10 +110,10 @@ def run_one(args: argparse.Namespace) -> dict:
     """One path's window of batches, in this process (a child of the harness)."""
     import torch
 
-    from trainer.config import load_config
-    from trainer.data import Batches, build_datasets
-    from trainer.distributed import DistContext
-    from trainer.topology import WORKER, resolve
+    from trainer.cluster.topology import WORKER, resolve
+    from trainer.config.settings import load_config
+    from trainer.data.datasets import Batches, build_datasets
+    from trainer.dist.context import DistContext
 
     device = torch.device("cuda" if args.one == "gpu" else "cpu")
     dataset = ["--dataset", "packed"] if args.one == "packed" else ["--dataset", "imagefolder", "--decode", args.one]
@@ -154,7 +154,7 @@ def run_one(args: argparse.Namespace) -> dict:
 def prepare_data(args: argparse.Namespace) -> tuple[Path, Path | None, dict]:
     """The folder (generated once) and its pack (made once, timed: packing's CPU time per image)."""
     from bench.common import imagenet_like_folder
-    from trainer.pack import pack, shrink
+    from trainer.data.pack import pack, shrink
 
     facts: dict = {}
     root = args.data

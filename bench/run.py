@@ -26,12 +26,19 @@ import tempfile
 from pathlib import Path
 
 from bench.results import RESULTS, describe_machine, now, paired_ratios, write_results
-from trainer import catalog
-from trainer.config import load_config
-from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
-from trainer.launch import visible_gpu_count
-from trainer.scale import (STEPS_HELP, check_timed_steps, exit_with_failed_run, prepare_out, reject_harness_flags,
-                           run_counting_other_work, torchrun_command)
+from trainer.cli.scale import (
+    STEPS_HELP,
+    check_timed_steps,
+    exit_with_failed_run,
+    prepare_out,
+    reject_harness_flags,
+    run_counting_other_work,
+    torchrun_command,
+)
+from trainer.cluster.gpus import visible_gpu_count
+from trainer.config import catalog
+from trainer.config.settings import load_config
+from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
 
 REPO = Path(__file__).resolve().parents[1]
 STACKS = ("trainer", "handwritten", "lightning", "container", "baseline", "launcher", "torchrun")
@@ -121,7 +128,7 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
                 "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu",
                 *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
     if stack in ("launcher", "torchrun"):  # as users run their script: trainer-launch (preflight on), or torchrun
-        runner = [sys.executable, "-m", "trainer.launch"] if stack == "launcher" else [
+        runner = [sys.executable, "-m", "trainer.cluster.launch"] if stack == "launcher" else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         return [*runner, "-m", MODULES["handwritten"], *script_flags(args, workdir)]
     command = [*torchrun_command(nproc), "-m", MODULES[stack]]

@@ -4,7 +4,7 @@ The interleaved runs of the main harness (`python -m bench --stacks trainer base
 '--step-timing false'`) compare whole runs, and this VM's run-to-run noise (several %) hides a cost
 below 1%. This measures the cost itself: in one process, two copies of a small model, each with its
 optimizer and the trainer's own StepTiming (one on, one off), train in alternating blocks of steps
-(on, off, on, ...) through the same loop shape as trainer.train: batches through `timing.batches`,
+(on, off, on, ...) through the same loop shape as trainer.engine.loop: batches through `timing.batches`,
 forward, backward, optimizer step, and every --log-every steps `reduce_loss` and `scalars`. The model
 is small so that a step takes about a millisecond: what timing adds per step (hooks, perf_counter
 readings, the window's bookkeeping) does not grow with the model, so the difference per step is the
@@ -27,18 +27,18 @@ import time
 from pathlib import Path
 
 from bench.results import RESULTS, describe_machine, now, paired_ratios, write_results
-from trainer.errors import OneLineErrorParser, UsageError, exit_on_usage_error
+from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 
 
 def one_copy(timing_on: bool, log_every: int):
     import torch
     from torch import nn
 
-    from trainer.config import load_config
-    from trainer.distributed import DistContext
-    from trainer.optim import build_optimizer
-    from trainer.steptiming import StepTiming
-    from trainer.topology import WORKER, resolve
+    from trainer.cluster.topology import WORKER, resolve
+    from trainer.config.settings import load_config
+    from trainer.dist.context import DistContext
+    from trainer.engine.optim import build_optimizer
+    from trainer.observe.steptiming import StepTiming
 
     cfg = load_config(["--env-file", os.devnull, "--step-timing", str(timing_on).lower(), "--log-every",
                        str(log_every)], {}, world_size=1)
@@ -50,7 +50,7 @@ def one_copy(timing_on: bool, log_every: int):
 
 
 def run_block(copy, batches: list, log_every: int) -> float:
-    """Seconds per step over the block, the loop shaped as trainer.train's."""
+    """Seconds per step over the block, the loop shaped as trainer.engine.loop's."""
     import torch
 
     model, optimizer, timing = copy

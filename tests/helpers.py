@@ -20,7 +20,7 @@ from typing import Iterable, Mapping, Sequence
 import pytest
 import torch
 
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint.store import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 # A run of a few steps takes seconds; this bound only turns a hang into a failure.

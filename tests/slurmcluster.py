@@ -220,7 +220,7 @@ class SlurmCluster:
                      ["link", "set", bridge, "up"]):
             _run(["ip", "-n", login, *step], "the cluster's bridge")
         for i, (node, addr) in enumerate(NODES, 1):
-            netns, inside, outside = self.node_netns[node], f"eth0", f"veth{i}"
+            netns, inside, outside = self.node_netns[node], "eth0", f"veth{i}"
             _run(["ip", "-n", login, "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", netns],
                  f"{node}'s link")
             _run(["ip", "-n", login, "link", "set", outside, "master", bridge, "up"], f"{node}'s link")

@@ -25,7 +25,7 @@ from helpers import as_unprivileged, clean_env, free_port, trainer_command
 # The product's goal is 5 s. Importing torch alone takes 2 s on an idle machine and up to 8 s on this
 # loaded 2-core runner, so the bound is looser: what it must catch is a hang (rendezvous waits 900 s).
 FAIL_FAST_BOUND_S = 15
-LAUNCH = [sys.executable, "-m", "trainer.launch"]
+LAUNCH = [sys.executable, "-m", "trainer.cluster.launch"]
 WORKER = [sys.executable, "-m", "trainer"]
 BASE_ARGS = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "1"]
 

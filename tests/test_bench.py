@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_usage_error, clean_env, run_bench_pair
-from trainer.train import WARMUP_STEPS_EXCLUDED
+
+from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED
 
 
 @pytest.mark.slow

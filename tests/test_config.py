@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import BAD_INPUT_TIMEOUT_S, assert_usage_error, dirs_args, files_under, free_port, run_trainer
-from trainer.config import OPTIONS, TrainConfig, env_name, flag_name, load_config
-from trainer.errors import UsageError
+
+from trainer.config.settings import OPTIONS, TrainConfig, env_name, flag_name, load_config
+from trainer.core.errors import UsageError
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 

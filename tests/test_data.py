@@ -8,16 +8,28 @@ import time
 
 import pytest
 import torch
+from helpers import (
+    BAD_INPUT_TIMEOUT_S,
+    assert_same_params,
+    assert_usage_error,
+    dirs_args,
+    files_under,
+    final_params,
+    free_port,
+    read_summary,
+    run_trainer,
+    train_ok,
+    write_cifar10,
+    write_image_folder,
+    write_mnist,
+)
 
-from helpers import (BAD_INPUT_TIMEOUT_S, assert_same_params, assert_usage_error, dirs_args, files_under,
-                     final_params, free_port, read_summary, run_trainer, train_ok, write_cifar10,
-                     write_image_folder, write_mnist)
-from trainer.config import load_config
-from trainer.data import (DOWNLOAD_STALL_TIMEOUT_S, Batches, build_datasets, make_synthetic, random_crop_flip,
-                          sample_keys)
-from trainer.distributed import DistContext
-from trainer.errors import UsageError
-from trainer.topology import WORKER, resolve
+from trainer.cluster.topology import WORKER, resolve
+from trainer.config.settings import load_config
+from trainer.core.errors import UsageError
+from trainer.data.datasets import DOWNLOAD_STALL_TIMEOUT_S, Batches, build_datasets, make_synthetic, random_crop_flip
+from trainer.data.images import sample_keys
+from trainer.dist.context import DistContext
 
 CPU = torch.device("cpu")
 

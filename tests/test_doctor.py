@@ -9,12 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import write_cifar10, write_image_folder, write_mnist
-from trainer.catalog import MODELS
-from trainer.config import load_config
-from trainer.doctor import (PREFETCH_FACTOR, Check, check_same_versions, data_shape, dataloader_workers,
-                            format_table, main, parameter_count, run_checks, version_fingerprint)
+
+from trainer.cluster.doctor import (
+    PREFETCH_FACTOR,
+    Check,
+    data_shape,
+    dataloader_workers,
+    format_table,
+    main,
+    parameter_count,
+    run_checks,
+)
+from trainer.cluster.versions import check_same_versions, version_fingerprint
+from trainer.config.catalog import MODELS
+from trainer.config.settings import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
@@ -203,7 +212,7 @@ def test_main_json(monkeypatch, capsys):
     assert {"name", "status", "value", "fix"} <= set(out["checks"][0])
 
 
-def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), module: str = "trainer.doctor",
+def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), module: str = "trainer.cluster.doctor",
          prefix: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` (trainer-doctor by default), under a command prefix if given."""
     env = {k: v for k, v in os.environ.items()
@@ -232,7 +241,7 @@ def test_cli_reports_the_launchers_topology_error(tmp_path):
     doctor = _cli(tmp_path, ["--json"], MASTER_PORT="70000")
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     topology = row(json_rows(doctor), "topology")
-    launcher = _cli(tmp_path, module="trainer.launch", MASTER_PORT="70000")
+    launcher = _cli(tmp_path, module="trainer.cluster.launch", MASTER_PORT="70000")
     assert launcher.returncode == 2
     assert topology.status == "fail"
     assert launcher.stderr.strip() == f"error: {topology.value} ({topology.fix})"
@@ -282,7 +291,7 @@ def test_shm_verdict_in_dockers_default_shm(tmp_path, small_shm, args, status, s
 
 
 def write_pack(root):
-    from trainer.pack import pack
+    from trainer.data.pack import pack
 
     write_image_folder(root.with_name("folder"))
     pack(root.with_name("folder"), root, max_side=64, workers=1, progress=False)
@@ -295,13 +304,13 @@ DATASET_FILES = {"synthetic": None, "cifar10": write_cifar10, "mnist": write_mni
 @pytest.mark.parametrize("dataset", DATASET_FILES)
 def test_shm_facts_are_those_of_the_data_and_models_the_trainer_builds(tmp_path, dataset):
     """The doctor reads image shapes, workers and gradient sizes off the options (without torch):
-    they must be what trainer/data.py and trainer/models.py build."""
+    they must be what trainer/data/datasets.py and trainer/engine/models.py build."""
     import torch
 
-    from trainer.data import Batches, InMemoryImages, build_datasets
-    from trainer.distributed import DistContext
-    from trainer.topology import WORKER, resolve
-    from trainer.models import build_model
+    from trainer.cluster.topology import WORKER, resolve
+    from trainer.data.datasets import Batches, InMemoryImages, build_datasets
+    from trainer.dist.context import DistContext
+    from trainer.engine.models import build_model
 
     if DATASET_FILES[dataset]:
         DATASET_FILES[dataset](tmp_path / "data")
@@ -337,7 +346,7 @@ def test_a_limited_memlock_passes_without_gpus(tmp_path):
     def lower_memlock():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
 
-    out = subprocess.run([sys.executable, "-m", "trainer.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
+    out = subprocess.run([sys.executable, "-m", "trainer.cluster.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
                           "--log-dir", str(tmp_path / "r"), "--env-file", os.devnull],
                          capture_output=True, text=True, cwd=tmp_path, preexec_fn=lower_memlock, timeout=120,
                          env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS})

@@ -14,11 +14,19 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from fault_helpers import Launch, checkpoint_files, error_lines, launcher_env, running, tiny_run, wait_until
-from helpers import (assert_same_params, assert_usage_error, checkpoint_steps, clean_env, final_params, free_port,
-                     load_checkpoint, read_summary)
-from trainer import checkpoint
+from helpers import (
+    assert_same_params,
+    assert_usage_error,
+    checkpoint_steps,
+    clean_env,
+    final_params,
+    free_port,
+    load_checkpoint,
+    read_summary,
+)
+
+from trainer.checkpoint import store as checkpoint
 
 COLLECTIVE_TIMEOUT_S = 5
 # Slack on top of a configured timeout: process start-up and teardown on a loaded 2-core runner.
@@ -116,7 +124,7 @@ def test_killed_peer_without_restarts_fails_fast_naming_the_signal(tmp_path, lau
 def rendezvous(tmp_path: Path, node_rank: int, port: int) -> subprocess.Popen:
     env = clean_env(launcher_env(port, NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1",
                                  RDZV_TIMEOUT="3"))
-    return subprocess.Popen([sys.executable, "-m", "trainer.launch", *tiny_run(tmp_path / f"node{node_rank}")],
+    return subprocess.Popen([sys.executable, "-m", "trainer.cluster.launch", *tiny_run(tmp_path / f"node{node_rank}")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -143,7 +151,7 @@ def test_the_failure_that_came_first_is_the_one_reported():
     """torchrun's failure records: the peer it SIGTERMed in the same second is not the cause."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from trainer.supervisor import describe_child_failure
+    from trainer.cluster.supervisor import describe_child_failure
 
     def failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
         record = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="/nonexistent")
@@ -168,7 +176,7 @@ def test_the_failure_that_came_first_is_the_one_reported():
 SAVE_LOOP = """
 import sys, torch
 from pathlib import Path
-from trainer import checkpoint
+from trainer.checkpoint import store as checkpoint
 directory = Path(sys.argv[1])
 for step in range(1, 1000):  # 64 MiB each: a write takes long enough to be caught in the middle
     state = {"format": checkpoint.FORMAT, "step": step, "weights": torch.full((16 << 20,), float(step))}

@@ -17,11 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fault_helpers import descendants, wait_until
-from helpers import (assert_same_params, assert_usage_error, clean_env, dirs_args, final_params, files_under,
-                     free_port, read_scalars, read_summary, run_trainer, train_ok)
-from trainer import checkpoint, sharded
+from helpers import (
+    assert_same_params,
+    assert_usage_error,
+    clean_env,
+    dirs_args,
+    files_under,
+    final_params,
+    free_port,
+    read_scalars,
+    read_summary,
+    run_trainer,
+    train_ok,
+)
+
+from trainer.checkpoint import sharded, store as checkpoint
 
 STEPS = 20
 # 20 optimizer steps of a small CNN, 2 micro-batches each (accumulation under both strategies), a
@@ -243,14 +254,15 @@ def test_a_ddp_checkpoint_is_converted_for_an_fsdp_run(ddp_run, fsdp_run, tmp_pa
 SAVE_LOOP = """
 import os, sys, torch
 from pathlib import Path
-from trainer import checkpoint, distributed
-from trainer.config import load_config
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.topology import WORKER, resolve
+from trainer.checkpoint import store as checkpoint
+from trainer.dist.context import setup
+from trainer.config.settings import load_config
+from trainer.engine.optim import build_optimizer, build_scheduler
+from trainer.cluster.topology import WORKER, resolve
 
-ctx = distributed.setup(resolve(os.environ, WORKER), "gloo", 60)
+ctx = setup(resolve(os.environ, WORKER), "gloo", 60)
 cfg = load_config(["--strategy", "fsdp", "--checkpoint-dir", sys.argv[1]], {}, ctx.world_size)
-from trainer.strategy import for_run
+from trainer.dist.strategy import for_run
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
 for_run(cfg, ctx, model).wrap(model)
 optimizer = build_optimizer(cfg, model)
@@ -293,7 +305,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest_valid_one(tm
 # ------------------------------------------------------------------------------- trainer-export
 
 def export(src: Path, out: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.export", str(src), str(out)], cwd=cwd, env=clean_env(),
+    return subprocess.run([sys.executable, "-m", "trainer.cli.export", str(src), str(out)], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -321,7 +333,7 @@ def test_export_of_an_fsdp_resnet_loads_into_the_model_torchvision_builds(tmp_pa
 
 @pytest.mark.slow
 def test_export_of_a_ddp_file_and_of_an_fsdp_directory_give_the_models_weights(ddp_run, fsdp_run, tmp_path):
-    from trainer.export import main as trainer_export  # in this process: the resnet test runs the command
+    from trainer.cli.export import main as trainer_export  # in this process: the resnet test runs the command
 
     for run, src in ((ddp_run, ddp_run / "checkpoints" / "step-00000020.pt"),
                      (fsdp_run, fsdp_run / "checkpoints" / "step-00000020")):
@@ -366,7 +378,7 @@ def test_a_checkpoint_directory_missing_its_marker_or_a_shard_is_one_line(fsdp_r
 def test_every_world_size_reads_one_global_order_so_a_position_maps_exactly():
     """The fact the resume at another world size rests on: with the global batch fixed, global batch k holds
     the same samples at 1, 2 or 4 processes, and a checkpoint's position maps to the same sample."""
-    from trainer.sampling import epoch_shard
+    from trainer.data.sampling import epoch_shard
 
     def global_batches(world_size: int, global_batch: int = 8, size: int = 100) -> list[set[int]]:
         per_rank = global_batch // world_size

@@ -1,4 +1,4 @@
-"""Image folders at speed (trainer/jpeg.py): the views every path shares keep torchvision's statistics and
+"""Image folders at speed (trainer/data/jpeg.py): the views every path shares keep torchvision's statistics and
 the exact-resume keys, the fast CPU path shows what the reference path shows, the GPU path's batched
 crops (device-agnostic, run here on CPU tensors) show what the CPU path shows, and bad files are one
 line naming the file."""
@@ -12,15 +12,16 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import dirs_args, photo, run_trainer, write_jpeg_folder
 from PIL import Image
 
-from helpers import dirs_args, photo, run_trainer, write_jpeg_folder
-from trainer import jpeg
-from trainer.config import load_config
-from trainer.data import Batches, _ImageFolderWithKeys, build_datasets, sample_key, sample_keys
-from trainer.distributed import DistContext
-from trainer.errors import UsageError
-from trainer.topology import WORKER, resolve
+from trainer.cluster.topology import WORKER, resolve
+from trainer.config.settings import load_config
+from trainer.core.errors import UsageError
+from trainer.data import jpeg
+from trainer.data.datasets import Batches, build_datasets
+from trainer.data.images import ImageFolderWithKeys, sample_key, sample_keys
+from trainer.dist.context import DistContext
 
 CPU = torch.device("cpu")
 SIDE = 64
@@ -89,7 +90,7 @@ def test_fast_validation_views_are_the_reference_views(tmp_path, size):
     """Resize (8/7 of the side) + centre crop, by PIL + torchvision transforms and by the fast path: the same
     pixels up to resampling, also where libjpeg decodes the file at a quarter of its size."""
     write_jpeg_folder(tmp_path, per_class={"val": 3}, size=size)
-    reference = _ImageFolderWithKeys(tmp_path / "val", False, 224, "imagenet", 0)
+    reference = ImageFolderWithKeys(tmp_path / "val", False, 224, "imagenet", 0)
     fast = jpeg.FastImageFolder(tmp_path / "val", False, 224, "imagenet", 0)
     for i in range(len(fast)):
         a, b = reference[(i, 0)], fast[(i, 0)]
@@ -100,8 +101,7 @@ def test_fast_validation_views_are_the_reference_views(tmp_path, size):
 @pytest.mark.parametrize("size", [(500, 375), (2000, 1500)], ids=["full decode", "DCT-reduced decode"])
 def test_fast_training_views_are_the_planned_crops(tmp_path, size):
     """A training view is the planned box resized by PIL (what RandomResizedCrop does) and flipped."""
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import functional as F
+    from torchvision.transforms import InterpolationMode, functional as F
 
     path = tmp_path / "photo.jpg"
     photo(*size, seed=3).save(path, quality=90)
@@ -168,7 +168,7 @@ def test_gpu_path_on_cpu_tensors_shows_the_cpu_paths_views(tmp_path, caplog):
     cpu = jpeg.FastImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=4)
     keys = [(i, 3) for i in range(len(gpu))]
     jpeg._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="trainer.jpeg"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.jpeg"):
         (images, labels), = list(gpu.stage([gpu.collate([gpu[k] for k in keys])], CPU))
         (again, _), = list(gpu.stage([gpu.collate([gpu[k] for k in keys])], CPU))
     assert images.shape == (len(keys), 3, SIDE, SIDE) and images.dtype == torch.uint8
@@ -268,7 +268,7 @@ def test_cmyk_jpeg_and_16_bit_png_are_decoded_not_refused(tmp_path, caplog):
     Image.fromarray(grey).save(folder / "wide.png")
     data = jpeg.FastImageFolder(tmp_path / "train", False, 48, "none", 0)
     jpeg._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="trainer.jpeg"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.jpeg"):
         views = {os.path.basename(path): data[(i, 0)][0] for i, (path, _) in enumerate(data.folder.samples)}
         wide = data[(sorted(views).index("wide.png"), 1)][0]  # read twice, warned once
     assert mean_abs(views["cmyk.jpg"], views["rgb.png"]) < 3

@@ -33,7 +33,7 @@ STEPS, LOG_EVERY = 16, 2
 SMALL = ["--model", "cnn", "--synthetic-size", "1024", "--batch-size", "32", "--epochs", "1",
          "--max-steps", str(STEPS), "--log-every", str(LOG_EVERY), "--val-every", "0", "--env-file", "/dev/null"]
 SLOW_RANK_S = 0.15  # rank 1's extra wait for every batch: several times a CNN step on a loaded 2-core runner
-REPORT = [sys.executable, "-m", "trainer.report"]  # the trainer-report console script's module
+REPORT = [sys.executable, "-m", "trainer.cli.report"]  # the trainer-report console script's module
 
 
 def hiding(root: Path, *modules: str) -> dict[str, str]:

@@ -12,20 +12,19 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import assert_usage_error, clean_env, dirs_args, read_summary, run_trainer, train_ok, write_jpeg_folder
 
-from helpers import (assert_usage_error, clean_env, dirs_args, read_summary, run_trainer, train_ok,
-                     write_jpeg_folder)
-from trainer import pack
-from trainer.config import load_config
-from trainer.data import Batches, build_datasets
-from trainer.distributed import DistContext
-from trainer.topology import WORKER, resolve
+from trainer.cluster.topology import WORKER, resolve
+from trainer.config.settings import load_config
+from trainer.data import pack
+from trainer.data.datasets import Batches, build_datasets
+from trainer.dist.context import DistContext
 
 CPU = torch.device("cpu")
 
 
 def trainer_pack(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.pack", *args], cwd=cwd, env=clean_env(),
+    return subprocess.run([sys.executable, "-m", "trainer.data.pack", *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
 
 

@@ -7,16 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import as_unprivileged, assert_usage_error, clean_env
-from trainer.train import WARMUP_STEPS_EXCLUDED
+
+from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED
 
 TINY = ["--model", "cnn", "--batch-size", "16"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def scale(args: list[str], cwd: Path, env: dict | None = None, unprivileged: bool = False) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "trainer.scale", *args]
+    command = [sys.executable, "-m", "trainer.cli.scale", *args]
     return subprocess.run(as_unprivileged(command) if unprivileged else command, cwd=cwd, env=clean_env(env),
                           capture_output=True, text=True, timeout=600)
 

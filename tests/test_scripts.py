@@ -16,16 +16,26 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fault_helpers import Launch, launcher_env, wait_until
-from helpers import (BAD_INPUT_TIMEOUT_S, REPO, RUN_TIMEOUT_S, assert_same_params, assert_usage_error,
-                     checkpoint_steps, clean_env, files_under, free_port, load_checkpoint, read_scalars,
-                     srun_task_env)
+from helpers import (
+    BAD_INPUT_TIMEOUT_S,
+    REPO,
+    RUN_TIMEOUT_S,
+    assert_same_params,
+    assert_usage_error,
+    checkpoint_steps,
+    clean_env,
+    files_under,
+    free_port,
+    load_checkpoint,
+    read_scalars,
+    srun_task_env,
+)
 from torch.utils.data import DistributedSampler
 
-from trainer.checkpoint import list_checkpoints
-from trainer.sampling import ResumableSampler
-from trainer.launch import build_command
+from trainer.checkpoint.store import list_checkpoints
+from trainer.cluster.launch import build_command
+from trainer.data.sampling import ResumableSampler
 
 LOOP = REPO / "tests" / "user_code" / "loop.py"
 # 48 samples, 2 ranks, batches of 4: 6 steps per epoch.
@@ -33,8 +43,8 @@ STEPS_PER_EPOCH = 6
 
 
 def launch(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """`python -m trainer.launch ARGS` (what the trainer-launch entry point runs), 2 CPU processes."""
-    return subprocess.run([sys.executable, "-m", "trainer.launch", *args], cwd=cwd,
+    """`python -m trainer.cluster.launch ARGS` (what the trainer-launch entry point runs), 2 CPU processes."""
+    return subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *args], cwd=cwd,
                           env=clean_env(launcher_env(free_port(), **env)), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
 
@@ -133,7 +143,7 @@ BAD_SCRIPTS = {
 def test_bad_script_is_one_line_exit_2_before_torchrun(tmp_path, args, env, error):
     user_package(tmp_path)
     before = files_under(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "trainer.launch", *args[0], "--out", "."], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *args[0], "--out", "."], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port(), **env)), capture_output=True, text=True,
                             timeout=BAD_INPUT_TIMEOUT_S)
     line = assert_usage_error(result, error.split(":")[0])
@@ -159,7 +169,7 @@ def test_preflight_checks_the_host_for_a_script_not_the_built_in_trainers_option
     (here a checkpoint directory that could not be written) are not the script's and are not read."""
     (tmp_path / "my_train.py").write_text("")
     env = launcher_env(free_port(), PREFLIGHT="1", GLOO_SOCKET_IFNAME="nosuch0", TRAIN_CHECKPOINT_DIR="/proc/no")
-    result = subprocess.run([sys.executable, "-m", "trainer.launch", "my_train.py"], cwd=tmp_path, env=clean_env(env),
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "my_train.py"], cwd=tmp_path, env=clean_env(env),
                             capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].startswith("error: preflight: GLOO_SOCKET_IFNAME: "), result.stderr
@@ -167,7 +177,7 @@ def test_preflight_checks_the_host_for_a_script_not_the_built_in_trainers_option
 
 
 def test_launcher_help_documents_the_script_forms():
-    result = subprocess.run([sys.executable, "-m", "trainer.launch", "--help"], env=clean_env(), capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--help"], env=clean_env(), capture_output=True,
                             text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert result.returncode == 0
     for form in ("trainer-launch my_train.py [ARGS]", "trainer-launch -m mypkg.train [ARGS]", "TRAIN_SCRIPT"):

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import assert_same_params, dirs_args, final_params, max_param_difference, train_ok
-from trainer.shm_allreduce import SHM_DIR, local_problem
+
+from trainer.dist.shm_allreduce import SHM_DIR, local_problem
 
 RUN = ["--model", "cnn", "--synthetic-size", "576", "--batch-size", "16", "--max-steps", "6", "--lr", "0.05",
        "--warmup-steps", "2", "--log-every", "3", "--val-every", "0", "--num-workers", "0"]
@@ -49,7 +49,7 @@ FSDP_USED = "fsdp's all-gathers and reduce-scatters go through shared memory"
 def test_fsdp_gathers_and_reduce_scatters_through_shared_memory_train_as_through_gloo(tmp_path, nproc, extra):
     # bf16 gathers bf16 weights and fp32 norm weights together, as bytes. All-gathers copy, so they are
     # exact; a reduce-scatter sums in rank order where gloo's ring starts elsewhere (3 processes).
-    from trainer import checkpoint, sharded
+    from trainer.checkpoint import sharded, store as checkpoint
 
     params = {}
     for shm in ("true", "false"):

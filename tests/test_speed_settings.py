@@ -7,14 +7,22 @@ import shutil
 
 import pytest
 import torch
+from helpers import (
+    assert_same_params,
+    dirs_args,
+    final_params,
+    finished_run,
+    max_param_difference,
+    read_summary,
+    train_ok,
+)
 
-from helpers import (assert_same_params, dirs_args, final_params, finished_run, max_param_difference, read_summary,
-                     train_ok)
-from trainer.config import TrainConfig
-from trainer.data import SYNTHETIC_CLASSES, synthetic_spec
-from trainer.models import build_model
-from trainer.optim import (build_optimizer, build_scheduler, load_optimizer_state,
-                           load_scaler_state)
+from trainer.checkpoint.store import load_optimizer_state, load_scaler_state
+from trainer.config.settings import TrainConfig
+from trainer.data.datasets import SYNTHETIC_CLASSES
+from trainer.data.images import synthetic_spec
+from trainer.engine.models import build_model
+from trainer.engine.optim import build_optimizer, build_scheduler
 
 SPEC = synthetic_spec(32)
 

@@ -1,4 +1,4 @@
-"""The topology resolver (trainer/topology.py), grouped by promise:
+"""The topology resolver (trainer/cluster/topology.py), grouped by promise:
 
 - each controller's own variables give the topology that controller means (the environments below are
   what the controllers set, from their source: kubeflow/training-operator pkg/controller.v1/pytorch
@@ -21,15 +21,32 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fault_helpers import Launch, tiny_run
-from helpers import (BAD_INPUT_TIMEOUT_S, RUN_TIMEOUT_S, checkpoint_steps, clean_env, files_under, free_port,
-                     read_summary, srun_task_env)
-from trainer.errors import UsageError
-from trainer.topology import (DEFAULT_MASTER_PORT, DIRECT, LAUNCHER, TORCHRUN, WORKER, expand_hostlist, first_host,
-                              resolve, slurm_port)
+from helpers import (
+    BAD_INPUT_TIMEOUT_S,
+    RUN_TIMEOUT_S,
+    checkpoint_steps,
+    clean_env,
+    files_under,
+    free_port,
+    read_summary,
+    srun_task_env,
+)
 
-LAUNCH = [sys.executable, "-m", "trainer.launch"]
+from trainer.cluster.topology import (
+    DEFAULT_MASTER_PORT,
+    DIRECT,
+    LAUNCHER,
+    TORCHRUN,
+    WORKER,
+    expand_hostlist,
+    first_host,
+    resolve,
+    slurm_port,
+)
+from trainer.core.errors import UsageError
+
+LAUNCH = [sys.executable, "-m", "trainer.cluster.launch"]
 
 
 def no_gpus() -> int:
@@ -398,7 +415,7 @@ def test_dry_run_anywhere_among_the_built_in_trainers_options(tmp_path):
 
 def test_trainer_doctor_shows_the_resolved_topology_and_its_source(tmp_path):
     env = clean_env(srun_per_node(0, nodelist="localhost,nodeb"))
-    result = subprocess.run([sys.executable, "-m", "trainer.doctor", "--json"], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.doctor", "--json"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     (row,) = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "topology"]
     assert row["status"] == "pass"

@@ -6,12 +6,21 @@ import math
 import time
 
 import pytest
+from helpers import (
+    checkpoint_steps,
+    dirs_args,
+    final_params,
+    free_port,
+    load_checkpoint,
+    max_param_difference,
+    read_scalars,
+    read_summary,
+    train_ok,
+    write_mnist,
+)
 
-from helpers import (checkpoint_steps, dirs_args, final_params, free_port, load_checkpoint, max_param_difference,
-                     read_scalars, read_summary, train_ok, write_mnist)
-from trainer import steptiming
-from trainer.metrics import Throughput
-from trainer.train import WARMUP_STEPS_EXCLUDED
+from trainer.observe import steptiming
+from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED, Throughput
 
 TRAIN_TAGS = {"Loss/train", "lr", "throughput/samples_per_s", "time/epoch_s",
               *(f"time/{name}/rank{rank}" for name in steptiming.FIELDS for rank in (0, 1))}  # 2 processes

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from fault_helpers import Launch, checkpoint_files, error_lines, tiny_run, wait_until
 from helpers import checkpoint_steps, read_summary
-from trainer import checkpoint
+
+from trainer.checkpoint import store as checkpoint
 
 COLLECTIVE_TIMEOUT_S = 10
 SLACK_S = 30  # start-up and teardown on a loaded 2-core runner; what is caught is the 30-minute default

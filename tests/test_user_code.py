@@ -18,13 +18,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    REPO,
+    assert_same_params,
+    assert_usage_error,
+    checkpoint_steps,
+    clean_env,
+    dirs_args,
+    final_params,
+    free_port,
+    load_checkpoint,
+    read_summary,
+    run_trainer,
+    train_ok,
+    write_image_folder,
+)
 
-from helpers import (REPO, assert_same_params, assert_usage_error, checkpoint_steps, clean_env, dirs_args,
-                     final_params, free_port, load_checkpoint, read_summary, run_trainer, train_ok,
-                     write_image_folder)
-from trainer.catalog import DataSpec, torchvision_models
-from trainer.errors import UsageError
-from trainer.models import build_model
+from trainer.config.catalog import DataSpec, torchvision_models
+from trainer.core.errors import UsageError
+from trainer.engine.models import build_model
 
 MNIST_T10K = REPO.parent / "shared" / "data" / "mnist-t10k"
 EXAMPLES = REPO / "examples"
@@ -146,8 +158,8 @@ def test_list_models_shows_builtins_and_every_torchvision_classifier(tmp_path):
 
 
 def test_every_built_in_model_of_the_catalogue_has_a_builder_and_says_its_task():
-    from trainer.catalog import MODELS
-    from trainer.models import BUILT_IN, Objective
+    from trainer.config.catalog import MODELS
+    from trainer.engine.models import BUILT_IN, Objective
 
     assert set(BUILT_IN) == set(MODELS)
     for name, entry in MODELS.items():
@@ -346,11 +358,11 @@ def test_image_folder_trains_at_the_size_asked(tmp_path, augment):
 def test_image_folder_augmentation_policies(tmp_path):
     """light: padded random crops and flips that change with the epoch; none: the same image every epoch;
     both at the size asked, whatever the files' sizes, and the same for the same (epoch, index)."""
-    from trainer.data import _ImageFolderWithKeys
+    from trainer.data.images import ImageFolderWithKeys
 
     write_image_folder(tmp_path / "data", per_class={"train": 6})
-    light = _ImageFolderWithKeys(tmp_path / "data" / "train", True, 24, "light", seed=0)
-    plain = _ImageFolderWithKeys(tmp_path / "data" / "train", True, 24, "none", seed=0)
+    light = ImageFolderWithKeys(tmp_path / "data" / "train", True, 24, "light", seed=0)
+    plain = ImageFolderWithKeys(tmp_path / "data" / "train", True, 24, "none", seed=0)
     for index in range(len(light)):
         image, _ = light[(index, 0)]
         assert image.shape == (3, 24, 24) and image.dtype == torch.uint8
@@ -362,7 +374,7 @@ def test_image_folder_augmentation_policies(tmp_path):
 def test_augment_auto_is_light_for_small_images_and_imagenet_for_large():
     from torchvision import transforms
 
-    from trainer.data import image_transforms
+    from trainer.data.images import image_transforms
 
     small = [type(t) for t in image_transforms(True, 32, "auto").transforms]
     large = [type(t) for t in image_transforms(True, 224, "auto").transforms]

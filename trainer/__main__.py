@@ -1,6 +1,6 @@
 """`python -m trainer`: one training worker."""
 
-from trainer.train import main
+from trainer.engine.loop import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,7 +18,7 @@ Everything here is the code the built-in trainer (`python -m trainer`) runs, not
 Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_checkpoints=3,
     log_every=10, backend="auto", collective_timeout=300.0)
     Joins the process group of whichever launcher started the process (torchrun, srun, or none: one
-    process) and pins this rank's GPU (trainer.topology.resolve + distributed.setup).
+    process) and pins this rank's GPU (trainer.topology.resolve + setup).
     .ctx .rank .local_rank .world_size .device .is_main .is_local_main .distributed
     .barrier()                   every rank waits for every other
     .main_process_first()        context manager: rank 0 runs the block first (a download, a shared file)
@@ -41,7 +41,7 @@ Run(checkpoint_dir="./checkpoints", log_dir="./runs", checkpoint_every=0, keep_c
     .save()                      commit a checkpoint now (every rank calls it)
     .finish()                    commit the last step, leave the process group (the `with` block does it)
     .step_count .epoch .stopped
-ResumableSampler(size, batch_size, rank=0, world_size=1, seed=0), epoch_shard(...)  (trainer.sampling)
+ResumableSampler(size, batch_size, rank=0, world_size=1, seed=0), epoch_shard(...)  (trainer.data.sampling)
 dataloader_worker_init       DataLoader(..., num_workers=N, worker_init_fn=api.dataloader_worker_init):
                              a stop (SIGTERM, Ctrl-C) reaches the training process only, which
                              checkpoints (torchrun signals the workers' process group too)
@@ -50,7 +50,7 @@ Checkpoints are committed atomically (temp file, fsync, rename) as step-<N>.pt, 
 keep_checkpoints kept; a torn or corrupt newest one is set aside and the one before it used.
 A stop checkpoints and returns: leave the loop, and the script exits 0; the next run resumes at the
 next unseen batch, so no sample is replayed or skipped. The same SIGTERM handler and the same
-agreement on the stopping step (distributed.GracefulStop, distributed.StopVote) as the built-in trainer.
+agreement on the stopping step (GracefulStop, StopVote) as the built-in trainer.
 """
 
 from __future__ import annotations
@@ -61,17 +61,19 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainer import distributed
-from trainer.errors import UsageError, exit_on_usage_error, first_line, print_error
-from trainer.sampling import ResumableSampler, epoch_shard
-from trainer.supervisor import stop_host_agent
-from trainer.topology import WORKER, resolve
+from trainer.cluster.supervisor import stop_host_agent
+from trainer.cluster.topology import WORKER, resolve
+from trainer.core.errors import UsageError, exit_on_usage_error, first_line, print_error
+from trainer.data.sampling import ResumableSampler, epoch_shard
+from trainer.dist import collectives
+from trainer.dist.context import rendezvous_failure, setup, teardown
+from trainer.dist.stop import GracefulStop, StopVote
 
 __all__ = ["Run", "ResumableSampler", "epoch_shard", "dataloader_worker_init", "UsageError"]
 
 # DataLoader(..., worker_init_fn=api.dataloader_worker_init): with worker processes, a stop (SIGTERM,
 # Ctrl-C) must reach only the training process, which checkpoints; see GracefulStop.
-dataloader_worker_init = distributed.GracefulStop.dataloader_worker_init
+dataloader_worker_init = GracefulStop.dataloader_worker_init
 
 log = logging.getLogger("trainer")
 STATE_KEY = "objects"  # a script checkpoint's user state: {name given to resume(): state_dict}
@@ -83,8 +85,8 @@ class Run:
     def __init__(self, checkpoint_dir: str | os.PathLike = "./checkpoints", log_dir: str | os.PathLike = "./runs",
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, log_every: int = 10,
                  backend: str = "auto", collective_timeout: float = 300.0):
-        from trainer.checkpoint import Position
-        from trainer.metrics import setup_logging
+        from trainer.checkpoint.store import Position
+        from trainer.observe.metrics import setup_logging
 
         with exit_on_usage_error():
             if keep_checkpoints < 1:
@@ -96,12 +98,12 @@ class Run:
                                  "give 0 (epoch ends only) or more")
             topology = resolve(os.environ, WORKER)
         try:
-            self.ctx = distributed.setup(topology, backend, collective_timeout)
+            self.ctx = setup(topology, backend, collective_timeout)
         except UsageError:
             with exit_on_usage_error():
                 raise
         except Exception as err:
-            message = distributed.rendezvous_failure(topology, err, "collective_timeout", collective_timeout)
+            message = rendezvous_failure(topology, err, "collective_timeout", collective_timeout)
             if message is None:
                 raise
             print_error(message)
@@ -115,8 +117,8 @@ class Run:
         self._objects: dict[str, Any] | None = None  # set by resume()
         self._sampler: ResumableSampler | None = None
         self._scalars = None
-        self._stop: distributed.GracefulStop | None = None
-        self._vote = distributed.StopVote(self.ctx)
+        self._stop: GracefulStop | None = None
+        self._vote = StopVote(self.ctx)
         self._last_saved: int | None = None
         self._claimed: list = []  # rank 0's lock on the checkpoint directory
 
@@ -132,13 +134,13 @@ class Run:
     epoch = property(lambda self: self.position.epoch)
 
     def barrier(self) -> None:
-        distributed.barrier(self.ctx)
+        collectives.barrier(self.ctx)
 
     def main_process_first(self):
-        return distributed.main_first(self.ctx)
+        return collectives.main_first(self.ctx)
 
     def local_main_process_first(self):
-        return distributed.local_main_first(self.ctx)
+        return collectives.local_main_first(self.ctx)
 
     def main_process_only(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -166,9 +168,9 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self, **objects) -> int:
-        from trainer import checkpoint
-        from trainer.metrics import Scalars
-        from trainer.train import on_main_then_share
+        from trainer.checkpoint import store as checkpoint
+        from trainer.dist.collectives import on_main_then_share
+        from trainer.observe.metrics import Scalars
 
         if not objects:
             raise TypeError("resume() needs the objects to checkpoint, e.g. resume(model=model, optimizer=optimizer)")
@@ -182,14 +184,14 @@ class Run:
         return self.position.step
 
     def _prepare_outputs(self) -> None:
-        from trainer import checkpoint
+        from trainer.checkpoint import store as checkpoint
 
         checkpoint.ensure_output_dir(str(self.checkpoint_dir), "checkpoint_dir")
         checkpoint.ensure_output_dir(self.log_dir, "log_dir")
         self._claimed.append(checkpoint.claim(self.checkpoint_dir))
 
     def _restore(self, objects: dict[str, Any], state: dict, path: Path) -> None:
-        from trainer import checkpoint
+        from trainer.checkpoint import store as checkpoint
 
         saved = state.get(STATE_KEY)
         if not isinstance(saved, dict):
@@ -215,7 +217,7 @@ class Run:
         return self._sampler.batch_size * self.world_size if self._sampler else self.world_size
 
     def save(self) -> None:
-        from trainer import checkpoint
+        from trainer.checkpoint import store as checkpoint
 
         if self._objects is None:
             raise RuntimeError("call run.resume(model=..., optimizer=...) first: it names what a checkpoint holds")
@@ -232,16 +234,16 @@ class Run:
                 raise SystemExit(1) from None
             log.info("checkpoint committed: %s", path)
         self._last_saved = pos.step
-        distributed.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
+        collectives.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
     # ------------------------------------------------------------------ the loop
     def epochs(self, count: int) -> Iterator[int]:
-        from trainer.checkpoint import Position
+        from trainer.checkpoint.store import Position
 
         if self._objects is None:
             raise RuntimeError("call run.resume(model=..., optimizer=...) before run.epochs()")
         if self._stop is None:
-            self._stop = distributed.GracefulStop()
+            self._stop = GracefulStop()
         for epoch in range(self.position.epoch, count):
             if self._sampler is not None:
                 self._sampler.set_epoch(epoch, self.position.batch if epoch == self.position.epoch else 0)
@@ -267,7 +269,7 @@ class Run:
 
     def log(self, **scalars) -> None:
         if self._scalars is None:
-            from trainer.metrics import Scalars
+            from trainer.observe.metrics import Scalars
 
             self._scalars = Scalars(self.ctx, self.log_dir, purge_step=None)
         self._scalars.add(self.position.step, **scalars)
@@ -285,7 +287,7 @@ class Run:
             self._scalars.close()
         for lock in self._claimed:
             lock.close()
-        distributed.teardown(self.ctx)
+        teardown(self.ctx)
 
     def __enter__(self) -> "Run":
         return self
@@ -296,5 +298,5 @@ class Run:
         else:  # the traceback is the script's; no collective now (a peer may be gone), checkpoints stay as they are
             if self._scalars is not None:
                 self._scalars.close()
-            distributed.teardown(self.ctx)
+            teardown(self.ctx)
         return False

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from containerlib import COMPOSE_FILE, EMPTY_ENV_FILE, MULTINODE_FILE, ROOT, clean_env
 
 FILES = {"compose.yaml": COMPOSE_FILE, "compose.multinode.yaml": MULTINODE_FILE}
@@ -193,7 +192,7 @@ def test_env_example_lists_every_variable_of_the_compose_files():
 def test_every_training_option_is_passed_and_documented():
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # not installed: the working tree's package
-    from trainer.config import OPTIONS, env_name
+    from trainer.config.settings import OPTIONS, env_name
 
     options = {env_name(f.name) for f in OPTIONS}
     assert not options - _compose_variables(), "compose.yaml does not pass " + str(sorted(options - _compose_variables()))

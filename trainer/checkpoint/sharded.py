@@ -1,0 +1,228 @@
+"""Sharded checkpoints (torch.distributed.checkpoint, DCP): a directory `step-NNNNNNNN/` per checkpoint.
+
+Every rank writes its own shard of the model and optimizer state into `.tmp-step-NNNNNNNN/`; once
+DCP's save returns (rank 0 has written `.metadata` after every rank's shard was on disk), rank 0
+writes `trainer.pt` (position, schedule, config: what checkpoint.snapshot holds besides the tensors),
+fsyncs, writes the commit marker last and renames the directory to its final name. A directory
+counts as a checkpoint only with its marker, so a crash mid-save leaves a temp directory that the
+next save removes, never a "newest" that fails to load. The same committed directory loads at any
+world size and into either strategy: DCP reshards on load.
+
+Loading is as safe as torch.load(weights_only=True): only tensors are stored through DCP (its
+non-tensor entries would be unpickled unrestricted), its `.metadata` is read by a restricted
+unpickler, and `trainer.pt` is a weights_only file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COMMIT_MARKER = "COMMITTED"  # written last: a directory without it is not a checkpoint
+STATE_FILE = "trainer.pt"  # the non-tensor rest of a snapshot, a weights_only torch file
+METADATA_FILE = ".metadata"  # DCP's index of every shard
+
+
+# --------------------------------------------------------------------------------- safe reading
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's index holds its own dataclasses, torch dtypes and sizes, nothing else; anything else
+    (a crafted file) is refused before it can run code."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                       torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+
+
+_ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                    ("pathlib", "PosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+def read_metadata(directory: Path):
+    with open(directory / METADATA_FILE, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _reader(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata = read_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(directory))
+
+
+def _planner(only: str | None = None):
+    """DCP's planner, refusing non-tensor entries; with `only`, the one that builds the state from the
+    index (no model needed), of that top-level key alone."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class TensorsOnly(_EmptyStateDictLoadPlanner if only else DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            raise ValueError(f"{read_item.dest_index.fqn} is not a tensor (this trainer stores only tensors "
+                             "through DCP)")
+
+    return TensorsOnly(keys={only}) if only else TensorsOnly()
+
+
+def missing_parts(directory: Path) -> str | None:
+    """What keeps a committed directory from loading, checked without loading it: the marker, the
+    state file, the index, and every shard file the index names at its full length."""
+    for name in (COMMIT_MARKER, STATE_FILE, METADATA_FILE):
+        if not (directory / name).is_file():
+            return f"{directory / name} is missing"
+    try:
+        metadata = read_metadata(directory)
+    except Exception as err:  # noqa: BLE001 (pickle and OS errors alike: the index is unreadable)
+        return f"{directory / METADATA_FILE} does not load ({type(err).__name__}: {str(err)[:120]})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"shard {path} is missing"
+        if path.stat().st_size < size:
+            return f"shard {path} is truncated ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def load_state_file(directory: Path) -> dict[str, Any]:
+    # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
+    return torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+# --------------------------------------------------------------------------------- the tensors
+
+def tensor_state(model, optimizer) -> tuple[dict[str, Any], list]:
+    """{"model": ..., "optimizer": {fqn: {name: tensor}}} and the optimizer's param_groups: each rank's shards (DTensors) under fsdp,
+    whole tensors otherwise. Keys are the model's own parameter names under either strategy."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    optim = get_optimizer_state_dict(model, optimizer)
+    state = {fqn: {k: v for k, v in per_param.items() if isinstance(v, torch.Tensor)}
+             for fqn, per_param in optim["state"].items()}
+    return {"model": get_model_state_dict(model), "optimizer": state}, optim["param_groups"]
+
+
+def load_into(model, optimizer, directory: Path, param_groups: list, kernels_kept) -> None:
+    """Every rank reads what it holds of the checkpoint's model and optimizer state (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state, _ = tensor_state(model, optimizer)  # the shapes and shards to fill
+    with _one_process_quietly():
+        dcp.load(state, storage_reader=_reader(directory), planner=_planner())
+    set_model_state_dict(model, state["model"])
+    with kernels_kept(optimizer):
+        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": param_groups})
+
+
+def load_full_into(model, optimizer, saved: dict[str, Any], kernels_kept) -> None:
+    """A single-file checkpoint (every tensor whole, optimizer state keyed by index, as
+    Optimizer.state_dict writes it) into a sharded model: each rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    optim = saved["optimizer"]
+    converted = {"state": {order[i]: s for i, s in optim["state"].items()},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim["param_groups"]]}
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, saved["model"], options=full)
+    with kernels_kept(optimizer):
+        set_optimizer_state_dict(model, optimizer, converted, options=full)
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns that it is 'assuming the intent is to load in a single process' without a process
+    group: for one plain process, and trainer-export, it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
+        yield
+
+
+def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole model state of a committed directory in this one process, no process group needed
+    (trainer-export)."""
+    # dcp.load would fill a copy of an empty dict; torch's own dcp_to_torch_save calls this one.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    with _one_process_quietly():
+        _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(only="model"), no_dist=True)
+    return dict(state["model"])
+
+
+# --------------------------------------------------------------------------------- committing
+
+def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx, final: Path) -> None:
+    """Every rank calls this; `final` is step-NNNNNNNN/ in directory. Raises OSError/RuntimeError on
+    any rank's failure (every rank raises: DCP and the broadcast below share the outcome)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainer.core import files
+    from trainer.core.files import TEMP_PREFIX, fsync_dir, fsync_file
+    from trainer.dist import collectives
+
+    temp = directory / f"{TEMP_PREFIX}{final.name}"  # one name on every rank: they write into one directory
+
+    def prepare() -> str | None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(temp, ignore_errors=True)  # a killed writer's leftover of this very step
+            temp.mkdir()
+        except OSError as err:
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    _raise_if(collectives.broadcast_from_main(ctx, prepare() if ctx.is_main else None))
+    tensors, param_groups = tensor_state(model, optimizer)
+    with _one_process_quietly():
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True))
+
+    def commit() -> str | None:
+        try:
+            with open(temp / STATE_FILE, "wb") as f:
+                torch.save({**rest, "param_groups": param_groups}, f)
+                fsync_file(f)
+            fsync_dir(temp)
+            with open(temp / COMMIT_MARKER, "w") as f:  # last: from here on the directory is complete
+                f.write(f"step {step}, {ctx.world_size} shards\n")
+                fsync_file(f)
+            fsync_dir(temp)
+            if final.exists():  # the same step saved again (a rerun): the old copy goes first
+                shutil.rmtree(final)
+            files.commit(temp, final)
+        except OSError as err:
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    _raise_if(collectives.broadcast_from_main(ctx, commit() if ctx.is_main else None))
+
+
+def _raise_if(failure: str | None) -> None:
+    if failure is not None:
+        raise OSError(failure)

@@ -1,0 +1,362 @@
+"""Checkpoints: what they hold, and committing them (a checkpoint exists only once it is fully on disk).
+
+Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
+At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
+Under --strategy fsdp a checkpoint is a directory of shards, committed by its marker (trainer.checkpoint.sharded);
+both kinds share the names, the rotation and the resume rules, and either strategy resumes either kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import torch
+
+from trainer.config.settings import TrainConfig
+from trainer.core.errors import UsageError, first_line, os_reason
+from trainer.core.files import TEMP_PREFIX, atomic_file
+from trainer.dist.context import DistContext
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded directory
+FORMAT = 1  # the "format" key of every checkpoint this trainer writes
+LOCK_NAME = ".lock"
+FULL_DISK_BYTES = 1 << 20  # less free than this: the disk is full, for a checkpoint or a start-up check
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written; older checkpoints are untouched."""
+
+
+@dataclass
+class Position:
+    """Where training stands: `step` optimizer steps done, and the next micro-batch is `batch` of `epoch`."""
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+
+
+@dataclass
+class Trainable:
+    """What a checkpoint restores besides the position."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+
+
+def snapshot(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+            **snapshot_rest(parts, pos, cfg, ctx)}
+
+
+def snapshot_rest(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    """Everything a checkpoint holds besides the model and optimizer tensors."""
+    return {"format": FORMAT, "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
+            "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
+            "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(), "rng": rng_state(ctx)}
+
+
+def rng_state(ctx: DistContext) -> dict[str, torch.Tensor]:
+    """torch's random state (dropout, random augmentation in user code): a resumed run draws what the
+    uninterrupted run would have drawn."""
+    cuda = ctx.device.type == "cuda"
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(ctx: DistContext, rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if ctx.device.type == "cuda" and rng["cuda"].numel():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfig, ctx: DistContext) -> Position:
+    """Load a snapshot into parts; the position to continue from."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import sharded
+    from trainer.dist.strategy import is_sharded
+
+    try:
+        if path.is_dir():  # DCP reshards it for this world size and strategy
+            sharded.load_into(parts.model, parts.optimizer, path, state["param_groups"], kernels_kept)
+        elif is_sharded(parts.model):  # a --strategy ddp file into an fsdp run: converted, each rank its shard
+            sharded.load_full_into(parts.model, parts.optimizer, state, kernels_kept)
+        else:
+            parts.model.load_state_dict(state["model"])
+            load_optimizer_state(parts.optimizer, state["optimizer"])
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:
+        raise UsageError("--resume", f"{path} does not fit this model ({first_line(err)})",
+                         "use another --checkpoint-dir or --resume never") from None
+    parts.scheduler.load_state_dict(state["scheduler"])
+    load_scaler_state(parts.scaler, state["scaler"])
+    set_rng_state(ctx, state["rng"])
+    batch = resized_batch(state, cfg.batch_size * ctx.world_size, cfg.grad_accum)
+    log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
+    return Position(state["epoch"], batch, state["global_step"])
+
+
+def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
+    """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
+    samples over all ranks. Every world size reads one global order per epoch (sampling.epoch_shard:
+    global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact whenever the
+    samples already seen fill whole steps of the new size: always when the global batch is unchanged."""
+    batch = state["batch"]
+    if state["samples_per_batch"] != samples_per_batch:
+        seen = state["batch"] * state["samples_per_batch"]
+        batch = seen // samples_per_batch
+        batch -= batch % grad_accum
+        if batch * samples_per_batch != seen:
+            log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
+                        "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
+    return batch
+
+
+def ensure_output_dir(path: str, setting: str) -> None:
+    """Create an output directory and prove it takes a file now, not at the first checkpoint an hour in."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        free = shutil.disk_usage(path).free
+    except OSError as err:
+        raise UsageError(setting, f"'{path}' is not a writable directory ({os_reason(err)})",
+                         f"point it at a directory uid {os.getuid()} can write, e.g. a mounted volume") from None
+    if free < FULL_DISK_BYTES:  # an empty file still fits on a full disk
+        raise UsageError(setting, f"'{path}' has {free >> 10} KiB free", "free some space or use a bigger volume")
+
+
+def claim(directory: Path) -> IO[str]:
+    """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
+    rotation (each keeps the highest steps) and temp files. Held until the returned file is closed."""
+    lock = open(directory / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UsageError("--checkpoint-dir", f"{directory} is in use by another run ({holder})",
+                         "give each run its own --checkpoint-dir") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Committed checkpoints (files, and directories with their commit marker), newest first."""
+    from trainer.checkpoint.sharded import COMMIT_MARKER
+
+    if not directory.is_dir():
+        return []
+    # A step-N.pt counts whatever it is: one that cannot be read must stop the resume with its name, not
+    # be passed over for an older step. A step-N directory counts once its marker is there.
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))
+             and (m.group(2) or (p / COMMIT_MARKER).is_file())]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def commit(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> None:
+    """Commit a checkpoint of the run (every rank calls this): one file written by rank 0 under ddp, a
+    directory of every rank's shards under fsdp (in one plain process too, so either kind resumes alike)."""
+    directory = Path(cfg.checkpoint_dir)
+    if cfg.strategy == "fsdp":
+        path = save_sharded(directory, pos.step, parts, pos, cfg, ctx, cfg.keep_checkpoints)
+    elif ctx.is_main:
+        path = save(directory, pos.step, snapshot(parts, pos, cfg, ctx), cfg.keep_checkpoints)
+    else:
+        return
+    if ctx.is_main:
+        log.info("checkpoint committed: %s", path)
+
+
+def save_sharded(directory: Path, step: int, parts: Trainable, pos: Position, cfg: TrainConfig,
+                 ctx: DistContext, keep: int) -> Path:
+    """Every rank writes its shard (trainer.checkpoint.sharded); rank 0 commits, rotates and cleans up."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import sharded
+
+    final = directory / f"step-{step:08d}"
+    rest = snapshot_rest(parts, pos, cfg, ctx)
+    try:
+        sharded.save(directory, step, parts.model, parts.optimizer, rest, ctx, final)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        if ctx.is_main:
+            _remove(directory / f"{TEMP_PREFIX}{final.name}")
+        if _out_of_space(err, directory) or "No space left" in str(err):
+            raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
+                                  f"(free space in {directory}; older checkpoints are intact)") from None
+        raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
+                              f"writable directory for uid {os.getuid()} on every host; older checkpoints are "
+                              "intact)") from None
+    if ctx.is_main:
+        for old in list_checkpoints(directory)[keep:]:
+            _remove(old)
+        _remove_stale_temps(directory)
+    return final
+
+
+def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    final = checkpoint_path(directory, step)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_file(final) as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as err:
+        if _out_of_space(err, directory):
+            raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
+                                  f"(free space in {directory}; older checkpoints are intact)") from None
+        raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
+                              f"writable directory for uid {os.getuid()}; older checkpoints are intact)") from None
+    for old in list_checkpoints(directory)[keep:]:
+        _remove(old)
+    _remove_stale_temps(directory)
+    return final
+
+
+def _out_of_space(err: BaseException, directory: Path) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch's zip writer reports a full disk as a failed write ("unexpected pos ..."): ask the disk.
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    return False
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Temp files left by a writer that was killed mid-save are never valid checkpoints."""
+    for temp in directory.glob(f"{TEMP_PREFIX}*"):
+        _remove(temp)
+
+
+def load(path: Path) -> dict[str, Any]:
+    # weights_only: a checkpoint is data; unpickling arbitrary objects would run arbitrary code.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_ours(path: Path) -> dict[str, Any]:
+    """A checkpoint this trainer wrote; OSError if the file cannot be read, ValueError if it is something else.
+    Of a sharded directory only its small state file is read (every rank reads its shards later). A
+    step-N.pt is a file whatever it is on disk: one that is a directory cannot be read (OSError)."""
+    if path.is_dir() and path.suffix != ".pt":
+        from trainer.checkpoint import sharded
+
+        if list_checkpoints(path):
+            raise ValueError("a --checkpoint-dir holding checkpoints, not one checkpoint (give one of them, or "
+                             "the directory as --checkpoint-dir with --resume auto)")
+        problem = sharded.missing_parts(path)
+        if problem:
+            raise ValueError(problem + (" (a save that did not finish)" if sharded.COMMIT_MARKER in problem else ""))
+        state = sharded.load_state_file(path)
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ValueError("a directory, but not a checkpoint written by this trainer")
+        return state
+    state = load(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError("a torch file, but not a checkpoint written by this trainer")
+    return state
+
+
+def why_not(err: Exception) -> str:
+    """Why a file is not a checkpoint, in a few words. torch's weights_only refusal wraps its one useful
+    line (the unpickler's) in paragraphs of advice about trusted sources."""
+    text = str(err)
+    reason = first_line(err)
+    if text.startswith("Weights only load failed"):
+        advice = ("Please file an issue", "Check the documentation")
+        lines = [line.strip() for line in text.splitlines()[1:]]
+        useful = [line for line in lines if line and not line.startswith(advice)]
+        reason = useful[0][:160] if useful else "refused by weights_only"
+    return f"{type(err).__name__}: {reason}"
+
+
+def _unreadable(path: Path, err: OSError) -> UsageError:
+    # Not corruption: the file may be fine (a uid mismatch, a stale mount), so it is neither set aside nor skipped.
+    return UsageError("--checkpoint-dir", f"cannot read {path} ({os_reason(err)})",
+                      f"make the checkpoints readable by uid {os.getuid()}, or move the file away")
+
+
+def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path] | None:
+    """The state to resume from, or None to start fresh. An explicit path must load."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        try:
+            return load_ours(path), path
+        except OSError as err:
+            raise _unreadable(path, err) from None
+        except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors all mean "not a checkpoint")
+            raise UsageError("--resume", f"'{path}' is not a loadable checkpoint ({why_not(err)})",
+                             "give a checkpoint written by this trainer, or --resume auto") from None
+    for path in list_checkpoints(directory):
+        try:
+            return load_ours(path), path
+        except OSError as err:
+            raise _unreadable(path, err) from None
+        except Exception as err:  # noqa: BLE001
+            # Set aside, not deleted (someone may want to inspect it), and out of the rotation, which
+            # would otherwise keep this highest step and delete the good checkpoints below it.
+            aside = path.with_name(path.name + ".corrupt")
+            if aside.exists():  # set aside before (a copied-back directory): keep both
+                aside = path.with_name(f"{path.name}.corrupt.{os.getpid()}")
+            try:
+                path.rename(aside)
+            except OSError as rename_err:
+                raise UsageError("--checkpoint-dir", f"{path} does not load ({first_line(err)}) and cannot be "
+                                 f"moved aside ({rename_err.strerror})",
+                                 "remove it, or make the checkpoint directory writable") from None
+            log.warning("checkpoint %s does not load (%s); moved to %s, trying the previous one",
+                        path, why_not(err), aside.name)
+    return None
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    with kernels_kept(optimizer):
+        optimizer.load_state_dict(saved)
+
+
+@contextlib.contextmanager
+def kernels_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Loading saved hyper-parameters and state keeps this run's kernel choice: load_state_dict would
+    take `fused` from the checkpoint, so an fp16 run resumed from an fp32 or bf16 checkpoint would
+    switch back to fused SGD, and an fsdp run resumed from a ddp one to fused kernels (see build_optimizer)."""
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    yield
+    for group, chosen in zip(optimizer.param_groups, kernels):
+        group.update(chosen)
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, saved: dict) -> None:
+    """fp16's loss scale from the checkpoint; a checkpoint of an fp32 or bf16 run has none (an empty
+    dict, which GradScaler.load_state_dict refuses), so an fp16 run resumed from it starts afresh."""
+    if saved or not scaler.is_enabled():
+        scaler.load_state_dict(saved)
+    else:
+        log.info("the checkpoint has no fp16 loss scale (it was not an fp16 run): starting at %g", scaler.get_scale())

@@ -1,0 +1,1 @@
+"""Console scripts beside the launcher: trainer-scale, trainer-export, trainer-report."""

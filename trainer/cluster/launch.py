@@ -1,0 +1,256 @@
+"""`trainer-launch`: the container entrypoint. Topology from the environment -> torchrun.
+
+    trainer-launch [TRAINING OPTIONS]          the built-in trainer (`python -m trainer`) on every process
+    trainer-launch my_train.py [ARGS]          your own script on every process (torchrun's convention)
+    trainer-launch -m mypkg.train [ARGS]       your own module, as `python -m mypkg.train` would run it
+    trainer-launch --dry-run [...]             print the resolved topology and the command as JSON; start nothing
+
+    NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
+    MASTER_ADDR (127.0.0.1 on one node; required on several)  MASTER_PORT (29500)
+    or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
+    trainer/cluster/topology.py reads them, in the order its docstring and the README give.
+    MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
+    TRAIN_SCRIPT (unset)  a script path, or -m and a module, used when the command line names none:
+                 TRAIN_SCRIPT=/workspace/src/train.py  or  TRAIN_SCRIPT="-m mypkg.train"
+
+The built-in trainer's options are validated here, before torchrun starts, so a mistake is one line
+and exit code 2, never a hang. A script's or module's arguments are its own; the launcher checks that
+the script is a file or that the module can be found (without running it), then runs it under the same
+torchrun, with the same topology, preflight, restarts and one-line failure summary naming the rank
+(after the script's own traceback). trainer.api gives such a script the built-in trainer's process
+group setup, resumable sampler, checkpoints, SIGTERM stop and TensorBoard logging.
+The launcher then replaces itself with torchrun (exec of trainer.cluster.supervisor, which is torchrun's own
+code in the same process), so signals reach torchrun directly.
+A container given RANK and WORLD_SIZE but no node layout (one process per container) runs the worker itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from trainer.cluster import topology as topo
+from trainer.cluster.gpus import visible_gpu_count
+from trainer.cluster.topology import Topology, env_int
+from trainer.config.catalog import importable_as_python_m
+from trainer.config.settings import (
+    FALSE_WORDS,
+    LAUNCHER_VARIABLES,
+    TRUE_WORDS,
+    TrainConfig,
+    check_gpu_options,
+    load_config,
+)
+from trainer.core.errors import UsageError, exit_on_usage_error, first_line, print_error
+
+DEFAULT_RDZV_TIMEOUT = 900
+SCRIPT_ENV = "TRAIN_SCRIPT"
+assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs accepts it
+BUILTIN = ("-m", "trainer")
+
+
+DRY_RUN = "--dry-run"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What trainer-launch execs, for which topology, with which training options (None: a user's script)."""
+    command: list[str]
+    topology: Topology
+    cfg: TrainConfig | None
+
+
+@dataclass(frozen=True)
+class Program:
+    """What every worker runs: `target` (a script path, or -m and a module) with `args`."""
+    target: tuple[str, ...]
+    args: tuple[str, ...]
+
+    @property
+    def builtin(self) -> bool:
+        return self.target == BUILTIN
+
+
+def choose_program(argv: Sequence[str], env: Mapping[str, str]) -> Program:
+    """The built-in trainer unless the command line (or else TRAIN_SCRIPT) names a script or module,
+    checked before any process starts: torchrun would otherwise start every rank to fail alike."""
+    if argv[:1] == ["-m"]:
+        if len(argv) < 2 or argv[1].startswith("-"):
+            raise UsageError("-m", "names no module", "give the module to run: trainer-launch -m mypkg.train ARGS")
+        return Program(checked_module(argv[1], "-m"), tuple(argv[2:]))
+    if argv and not argv[0].startswith("-"):
+        return Program(checked_script(argv[0], "script"), tuple(argv[1:]))
+    raw = env.get(SCRIPT_ENV, "").strip()
+    if not raw:
+        return Program(BUILTIN, tuple(argv))
+    if raw.split()[0] == "-m":
+        module = raw.split()[1:]
+        if len(module) != 1:
+            raise UsageError(SCRIPT_ENV, f"'{raw}' is not -m and one module name",
+                             'e.g. TRAIN_SCRIPT="-m mypkg.train"; arguments go on the command line')
+        return Program(checked_module(module[0], SCRIPT_ENV), tuple(argv))
+    return Program(checked_script(raw, SCRIPT_ENV), tuple(argv))
+
+
+def checked_script(path: str, setting: str) -> tuple[str, ...]:
+    where = f"'{path}'" if os.path.isabs(path) else f"'{path}' (in {os.getcwd()})"
+    if not os.path.exists(path):
+        raise UsageError(setting, f"{where} does not exist",
+                         "give the path of your training script, or -m and a module")
+    if not os.path.isfile(path):
+        raise UsageError(setting, f"{where} is not a file", "give the .py file to run, or -m and a module")
+    if not os.access(path, os.R_OK):
+        raise UsageError(setting, f"{where} cannot be read", f"make it readable by uid {os.getuid()}")
+    return (path,)
+
+
+def checked_module(name: str, setting: str) -> tuple[str, ...]:
+    """Found as `python -m` will look for it (the working directory first, then PYTHONPATH), not run.
+    Its parent packages are imported, as they would be in every worker."""
+    if name == BUILTIN[1]:
+        return BUILTIN
+    fix = "check the name, and that its folder is the working directory or on PYTHONPATH"
+    if name.endswith(".py") or os.sep in name:
+        fix = f"for a file, drop -m: trainer-launch {name}"
+    sys.dont_write_bytecode = True  # nothing written before the run starts, not even __pycache__
+    try:
+        with importable_as_python_m():
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+                spec = importlib.util.find_spec(f"{name}.__main__")
+    except ModuleNotFoundError:
+        spec = None
+    except Exception as err:  # noqa: BLE001 (a parent package that fails to import, an invalid name)
+        raise UsageError(setting, f"cannot look for module '{name}' ({type(err).__name__}: {first_line(err)})",
+                         fix) from None
+    if spec is None:
+        raise UsageError(setting, f"no module named '{name}'", fix)
+    return ("-m", name)
+
+
+def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[str] = BUILTIN,
+                     max_restarts: int = 0, rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT) -> list[str]:
+    """Static rendezvous at MASTER_ADDR:MASTER_PORT: the node rank decides the ranks, so rank 0 is on node 0."""
+    return [
+        "torchrun",
+        f"--nnodes={topology.nnodes}",
+        f"--node-rank={topology.node_rank}",
+        f"--nproc-per-node={topology.nproc_per_node}",
+        f"--master-addr={topology.master_addr}",
+        f"--master-port={topology.master_port}",
+        f"--max-restarts={max_restarts}",
+        f"--rdzv-conf=timeout={rdzv_timeout}",
+        *target, *args,
+    ]
+
+
+def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) -> list[str]:
+    return [sys.executable, *target, *args]
+
+
+def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count
+                  ) -> Launch:
+    """The command to exec, its topology and the training options it runs with, validated on the way."""
+    program = choose_program(argv, env)
+    # All but the world-size checks, before counting GPUs (which may import torch).
+    options = load_config(list(program.args), env, world_size=1) if program.builtin else None
+    topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
+    if topology.mode == topo.DIRECT:  # this process is one rank already: no torchrun
+        command = single_worker_command(program.args, program.target)
+    else:
+        max_restarts = env_int(env, "MAX_RESTARTS", 0, 0)
+        rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
+        command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
+    if options is None:
+        return Launch(command, topology, None)
+    if topology.mode == topo.TORCHRUN:
+        # The worker's own check, before torchrun starts ranks that would each fail with it.
+        check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, topology.world_size)
+    return Launch(command, topology, load_config(list(program.args), env, world_size=topology.world_size))
+
+
+def preflight_enabled(env: Mapping[str, str]) -> bool:
+    raw = env.get("PREFLIGHT", "").strip()
+    if raw.lower() in ("", *TRUE_WORDS):  # unset or empty: the default, on
+        return True
+    if raw.lower() in FALSE_WORDS:
+        return False
+    raise UsageError("PREFLIGHT", f"'{raw}' is not a boolean", "use 1 to run trainer-doctor first or 0 to skip it")
+
+
+def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    """--dry-run first, or anywhere among the built-in trainer's options (a script's arguments are its own)."""
+    args = list(argv)
+    if args[:1] == [DRY_RUN]:
+        return True, args[1:]
+    builtin = args[0].startswith("-") and args[0] != "-m" and not env.get(SCRIPT_ENV, "").strip() if args else False
+    if builtin and DRY_RUN in args:
+        return True, [a for a in args if a != DRY_RUN]
+    return False, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        print("\nThe built-in trainer's options (python -m trainer --help):")
+        os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
+    dry_run, args = split_dry_run(args, os.environ)
+    with exit_on_usage_error():
+        launch = build_command(os.environ, args)
+        if dry_run:
+            print(json.dumps({**launch.topology.facts(), "command": launch.command}, indent=2))
+            return 0
+        preflight = preflight_enabled(os.environ)
+        if launch.topology.mode == topo.TORCHRUN:
+            ensure_master_port_free(launch.topology)
+    print(launch.topology.summary(), file=sys.stderr, flush=True)
+    if preflight:
+        run_preflight(launch.cfg)
+    command = launch.command
+    print("+ " + shlex.join(command), file=sys.stderr, flush=True)
+    if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
+        command = [sys.executable, "-m", "trainer.cluster.supervisor", *command[1:]]
+    os.execvp(command[0], command)
+    return 0  # not reached
+
+
+def ensure_master_port_free(topology: Topology) -> None:
+    """Node 0's torchrun hosts the rendezvous store on MASTER_PORT. A taken port would otherwise show
+    only after the rendezvous timeout, as a C++ error about the store."""
+    if topology.node_rank != 0:
+        return
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is no conflict
+        try:
+            sock.bind(("", topology.master_port))
+        except OSError as err:
+            given = topology.sources.get("master_port", "default")
+            raise UsageError("MASTER_PORT (default)" if given == "default" else given,
+                             f"{topology.master_port} cannot be used on this host ({err.strerror})",
+                             "stop what listens there (another NODE_RANK=0 launcher?) or choose a free "
+                             "MASTER_PORT, the same on every host") from None
+
+
+def run_preflight(cfg: TrainConfig | None) -> None:
+    """cfg None: a user's script, checked without the built-in trainer's options."""
+    from trainer.cluster.doctor import format_table, run_checks
+
+    checks = run_checks(os.environ, cfg, own_script=cfg is None)
+    failed = [c for c in checks if c.status == "fail"]
+    if failed or any(c.status == "warn" for c in checks):
+        print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)
+    if failed:
+        first = failed[0]
+        print_error(f"preflight: {first.name}: {first.value} ({first.fix}; PREFLIGHT=0 skips the checks)")
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

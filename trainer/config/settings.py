@@ -1,0 +1,421 @@
+"""The one typed configuration of a training run.
+
+Every field is a CLI flag (``--batch-size``) and an environment variable (``TRAIN_BATCH_SIZE``).
+Precedence: flag > environment > ``.env`` file (never overriding the real environment) > default.
+The whole tree is validated once, before any process group forms, so a mistake costs seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib.util
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from dotenv import dotenv_values
+from dotenv.parser import parse_stream
+
+from trainer.config import catalog
+from trainer.core.errors import OneLineErrorParser, UsageError
+
+ENV_PREFIX = "TRAIN_"
+DEFAULT_ENV_FILE = ".env"
+
+AUGMENTATIONS = ("auto", "imagenet", "light", "none")
+LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
+# TRAIN_* names the launcher reads, which are not training options (the worker never sees them as such).
+LAUNCHER_VARIABLES = {"TRAIN_SCRIPT": "your own training script instead of the built-in trainer: a path, "
+                                      "or -m and a module (trainer-launch --help)"}
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+WEEK_S = 7 * 24 * 3600
+
+
+def option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # What to train on what.
+    model: str = option("resnet18", "model: built-in (" + ", ".join(catalog.MODELS) + "), any torchvision "
+                        "classification model (--list-models), or your own as module:function")
+    dataset: str = option("synthetic", "training data: " + ", ".join(catalog.DATASETS) + " (synthetic needs no "
+                          "files), or your own as module:function")
+    data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)")
+    image_size: int = option(224, "imagefolder: side of the training and validation crops in pixels "
+                             "(e.g. 32 or 64 for small images)")
+    augment: str = option("auto", "imagefolder augmentation: imagenet (random-resized crop + flip), light "
+                          "(random crop with padding + flip, for small images), none (resize + center crop); "
+                          f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS)
+    synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)")
+    synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)")
+    # How long.
+    epochs: int = option(5, "passes over the training data")
+    max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)")
+    # Batch and optimizer.
+    batch_size: int = option(64, "samples per process per micro-batch")
+    global_batch_size: int = option(0, "samples per optimizer step over all processes (0: use --batch-size)")
+    grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
+    optimizer: str = option("sgd", "optimizer", ("sgd", "adamw"))
+    lr: float = option(0.1, "peak learning rate")
+    momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
+    weight_decay: float = option(5e-4, "weight decay (not applied to norms and biases)")
+    lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"))
+    warmup_steps: int = option(-1, "linear warm-up steps (-1: 5% of the run's optimizer steps, so that a "
+                               "short run or a larger world size is not mostly warm-up)")
+    # Speed.
+    amp: str = option("off", "mixed precision: bf16 (CUDA and CPUs), fp16 (CUDA, with a loss scaler)",
+                     ("off", "bf16", "fp16"))
+    channels_last: bool = option(False, "NHWC memory format (faster convolutions on tensor cores)")
+    compile: bool = option(False, "torch.compile the model")
+    sync_bn: bool = option(False, "synchronise BatchNorm statistics across processes")
+    shm_allreduce: bool = option(True, "CPU processes all on one host: exchange gradients (and fsdp's weights) "
+                                 "through shared memory instead of gloo's TCP (the same sums)")
+    loader: str = option("auto", "input path: memory (batched tensor ops, on the GPU when there is one), "
+                         "dataloader (worker processes), auto (memory for in-memory datasets: synthetic, "
+                         "cifar10, mnist)",
+                         ("auto", "memory", "dataloader"))
+    num_workers: int = option(2, "DataLoader worker processes per training process")
+    # Image files (trainer/data/jpeg.py, trainer/data/pack.py).
+    decode: str = option("auto", "imagefolder decoding: cpu (worker processes decode no more pixels than the "
+                         "crop needs), gpu (nvJPEG batches on the GPU, crops and flips there; other files on "
+                         "the CPU), pil (PIL + torchvision transforms, the reference); auto: gpu on CUDA "
+                         "(imagenet augmentation), else cpu", ("auto", "cpu", "gpu", "pil"))
+    # Observability.
+    val_every: int = option(1, "validate every N epochs (0: never)")
+    log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
+    log_dir: str = option("./runs", "TensorBoard events and summary.json")
+    tracker: str = option("tensorboard", "experiment trackers, comma-separated: tensorboard, csv (metrics.csv), "
+                          "wandb, mlflow (rank 0 only; offline by default: WANDB_MODE=offline into --log-dir, "
+                          "an MLflow file store in <log-dir>/mlruns; sync later, see the README)")
+    step_timing: bool = option(True, "per-rank step timing every --log-every steps (data wait, compute, "
+                               "collective wait, optimizer) and the slowest rank named")
+    profile_steps: str = option("", "torch.profiler traces of optimizer steps A:B (A to B inclusive) into "
+                                "<log-dir>/profile/ as Chrome/Perfetto JSON (empty: off)")
+    profile_ranks: str = option("all", "ranks that record --profile-steps: all, or a comma-separated list (0,1)")
+    # Checkpoints.
+    checkpoint_dir: str = option("./checkpoints", "where checkpoints are committed")
+    checkpoint_every: int = option(500, "checkpoint every N optimizer steps (0: only at epoch ends)")
+    keep_checkpoints: int = option(3, "newest checkpoints kept (at least 2)")
+    resume: str = option("auto", "auto (newest valid checkpoint), never, or a checkpoint path")
+    # Distributed.
+    seed: int = option(0, "random seed (the same on every rank)")
+    backend: str = option("auto", "process-group backend; auto: nccl with a GPU, else gloo", ("auto", "nccl", "gloo"))
+    collective_timeout: float = option(300.0, "seconds a collective may wait for a peer before the run fails")
+    local_sgd_period: int = option(0, "opt-in, changes numerics: after the LR warm-up, take local steps and "
+                                   "average parameters every K steps instead of all-reducing gradients "
+                                   "every step (post-local SGD; 0: off)")
+    strategy: str = option("ddp", "ddp: every process holds the whole model; fsdp: each of N processes holds 1/N "
+                           "of the parameters, gradients and optimizer state (FSDP2), for models whose training "
+                           "state does not fit one GPU; checkpoints become directories of shards",
+                           ("ddp", "fsdp"))
+    activation_checkpointing: bool = option(False, "recompute each block's activations in the backward pass "
+                                            "instead of keeping them (less memory, about a third more compute)")
+    fsdp_cpu_offload: bool = option(False, "fsdp: keep the sharded parameters, gradients and optimizer state in "
+                                    "host memory (slower; the GPU holds only the blocks running)")
+
+    # Derived once the world size is known (not options).
+    world_size: int = field(default=1, metadata={"derived": True})
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.world_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+OPTIONS = [f for f in dataclasses.fields(TrainConfig) if not f.metadata.get("derived")]
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="trainer",
+        description="One DistributedDataParallel training worker. Run it under torchrun "
+        "(or trainer-launch), under Slurm srun, or alone. Every option is also an environment "
+        f"variable ({ENV_PREFIX}<OPTION>) and may stand in a .env file; flags win over the "
+        "environment, the environment over .env, .env over defaults.",
+    )
+    parser.add_argument("--list-models", action=_ListModels, nargs=0,
+                        help="list the models and datasets --model and --dataset take, then exit")
+    parser.add_argument("--env-file", help="dotenv file read for TRAIN_* values (default: .env, if there is one; "
+                        "/dev/null: none)")
+    for f in OPTIONS:
+        # In a container the compose file sets its profile's values (the cpu profile: cnn, 2 epochs):
+        # --help shows what this run would use, beside the trainer's own default.
+        here = os.environ.get(env_name(f.name))
+        help_text = (f"{f.metadata['help']} [env {env_name(f.name)}{'=' + here + ' here' if here else ''}; "
+                     f"default {f.default}]").replace("%", "%%")  # argparse formats help with %
+        if f.type == "bool":
+            parser.add_argument(flag_name(f.name), nargs="?", const="true", default=None,
+                                metavar="BOOL", help=help_text)
+        else:
+            choices = f.metadata["choices"]
+            parser.add_argument(flag_name(f.name), default=None, help=help_text,
+                                metavar="{" + ",".join(choices) + "}" if choices else None)
+    return parser
+
+
+class _ListModels(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(catalog.listing())
+        parser.exit()
+
+
+def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -> Any:
+    text = raw.strip()
+    if kind == "bool":
+        if text.lower() in TRUE_WORDS:
+            return True
+        if text.lower() in FALSE_WORDS:
+            return False
+        raise UsageError(setting, f"'{raw}' is not a boolean", "use true or false")
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(setting, f"'{raw}' is not an integer", "give a whole number") from None
+    if kind == "float":
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(setting, f"'{raw}' is not a number", "give a number such as 0.1") from None
+        if not math.isfinite(value):
+            raise UsageError(setting, f"'{raw}' is not a finite number", "give a number such as 0.1")
+        return value
+    if choices and text not in choices:
+        raise UsageError(setting, f"unknown value '{raw}'", "choose one of " + ", ".join(choices))
+    return text
+
+
+def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
+    """Merge flags, environment, .env and defaults into a validated TrainConfig."""
+    args = build_parser().parse_args(argv)
+    env_file = args.env_file or DEFAULT_ENV_FILE
+    dotenv = _read_dotenv(env_file, named=args.env_file is not None)
+    _reject_unknown_names(environ, "the environment")
+    _reject_unknown_names(dotenv, env_file)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # option -> the setting the user wrote, for error messages
+    for f in OPTIONS:
+        flag_value = getattr(args, f.name)
+        if flag_value is not None:
+            raw, setting = flag_value, flag_name(f.name)
+        elif env_name(f.name) in environ:
+            raw, setting = environ[env_name(f.name)], env_name(f.name)
+        elif env_name(f.name) in dotenv:
+            raw, setting = dotenv[env_name(f.name)], f"{env_name(f.name)} (in {env_file})"
+        else:
+            continue
+        # With postponed annotations f.type is the annotation's text: "int", "bool", ...
+        values[f.name] = _convert(raw, f.type, setting, f.metadata["choices"])
+        sources[f.name] = setting
+    if values.get("resume") == "never" and environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        # torchrun restarted the workers after a failure: the checkpoints there are this run's own.
+        values["resume"] = "auto"
+    return _validated(TrainConfig(**values), world_size, sources)
+
+
+def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
+    """A misspelt TRAIN_ name would otherwise be ignored in silence, and the run train with the default."""
+    known = [env_name(f.name) for f in OPTIONS] + list(LAUNCHER_VARIABLES)
+    for name in variables:
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(name, f"in {where} is not a training setting", f"{hint}`trainer --help` lists them")
+
+
+def _read_dotenv(path: str, named: bool) -> dict[str, str]:
+    """named: the user gave the file, so a typo in its name must not drop every setting in it."""
+    if not Path(path).exists() or Path(path).is_dir():
+        if not named:
+            return {}  # the default .env is optional
+        problem = "is a directory" if Path(path).is_dir() else "does not exist"
+        raise UsageError("--env-file", f"'{path}' {problem}", "give a dotenv file, or /dev/null for none")
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError("--env-file", f"cannot read {path}: {err}", "fix or remove the file") from None
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.error:  # python-dotenv only logs these and drops the line: the setting would be lost
+            raise UsageError("--env-file", f"{path} line {binding.original.line} is not KEY=value: "
+                             f"{binding.original.string.strip()[:80]!r}", "fix the line (quote values with spaces)")
+    return {k: v for k, v in dotenv_values(stream=io.StringIO(text)).items() if v is not None}
+
+
+def no_step_error(batches_per_rank: int, grad_accum: int) -> UsageError:
+    return UsageError("--batch-size", f"{batches_per_rank} batches per rank make no optimizer step of {grad_accum} "
+                      "micro-batches", "lower --batch-size or --grad-accum, or use more data")
+
+
+# --tracker, --profile-steps and --profile-ranks: read here, once; trackers.py and profiling.py use these.
+TRACKERS = {"tensorboard": "tensorboard", "csv": None, "wandb": "wandb", "mlflow": "mlflow"}  # -> module needed
+TRACKER_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # pip extras and the image's TRACKERS build argument
+
+
+def tracker_names(text: str, setting: str = "--tracker") -> list[str]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            raise UsageError(setting, f"unknown tracker '{name}'", "choose from " + ", ".join(TRACKERS))
+        module = TRACKERS[name]
+        if module and importlib.util.find_spec(module) is None:
+            extra = TRACKER_EXTRAS.get(name, name)
+            raise UsageError(setting, f"{name} is not installed", f"pip install 'ddp-trainer[{extra}]', or build "
+                             f"the image with --build-arg TRACKERS={extra}; or drop {name} from {setting}")
+    return list(dict.fromkeys(names))
+
+
+def profile_window(text: str, setting: str = "--profile-steps") -> tuple[int, int] | None:
+    """--profile-steps A:B as (A, B), optimizer steps counted from 1; None when off."""
+    if not text.strip():
+        return None
+    first, sep, last = text.strip().partition(":")
+    try:
+        window = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        raise UsageError(setting, f"'{text}' is not A:B", "give optimizer steps such as 10:15") from None
+    if window[0] < 1 or window[1] < window[0]:
+        raise UsageError(setting, f"'{text}' is out of order", "give A:B with 1 <= A <= B, such as 10:15")
+    return window
+
+
+def profile_rank_list(text: str, world_size: int, setting: str = "--profile-ranks") -> list[int]:
+    if text.strip().lower() == "all":
+        return list(range(world_size))
+    try:
+        ranks = sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise UsageError(setting, f"'{text}' is not a list of ranks", "give all, or ranks such as 0,1") from None
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world_size:
+        raise UsageError(setting, f"'{text}' names no rank of this world of {world_size}",
+                         f"give ranks from 0 to {world_size - 1}, or all")
+    return ranks
+
+
+def _check_observability(cfg: TrainConfig, world_size: int, setting) -> None:
+    tracker_names(cfg.tracker, setting("tracker"))
+    window = profile_window(cfg.profile_steps, setting("profile_steps"))
+    if window and cfg.max_steps and window[1] > cfg.max_steps:
+        raise UsageError(setting("profile_steps"), f"{cfg.profile_steps} ends beyond --max-steps {cfg.max_steps}",
+                         f"profile steps up to {cfg.max_steps}")
+    profile_rank_list(cfg.profile_ranks, world_size, setting("profile_ranks"))
+
+
+def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
+    def setting(name: str) -> str:
+        return sources.get(name, flag_name(name))
+
+    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8), ("epochs", 1),
+                          ("max_steps", 0), ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0),
+                          ("momentum", 0), ("weight_decay", 0), ("warmup_steps", -1), ("num_workers", 0),
+                          ("val_every", 0), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
+                          ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0)):
+        if getattr(cfg, name) < minimum:
+            raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
+    for name, maximum in (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S),
+                          ("seed", 2**32 - 1)):
+        if getattr(cfg, name) > maximum:
+            value = getattr(cfg, name)
+            raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
+                             f"{value} is above {maximum}", f"use {maximum} or less")
+    for name in ("data_dir", "log_dir", "checkpoint_dir"):
+        if not getattr(cfg, name).strip():
+            raise UsageError(setting(name), "is empty", "give a directory path")
+    _check_observability(cfg, world_size, setting)
+    catalog.check_model_name(cfg.model, setting("model"))
+    catalog.check_dataset_name(cfg.dataset, setting("dataset"))
+    if cfg.dataset == "synthetic":
+        need = round(cfg.synthetic_size * 1.2) * 3 * cfg.synthetic_image_size ** 2  # uint8, train + val
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > have:
+            raise UsageError(setting("synthetic_size"), f"{cfg.synthetic_size} images of {cfg.synthetic_image_size}"
+                             f"x{cfg.synthetic_image_size} need {need / 2**30:.1f} GiB and this host has "
+                             f"{have / 2**30:.1f} GiB", "lower --synthetic-size or --synthetic-image-size")
+    if cfg.momentum >= 1:
+        raise UsageError(setting("momentum"), f"{cfg.momentum} must be below 1", "use a value such as 0.9")
+    batch_size = cfg.batch_size
+    if cfg.global_batch_size:
+        per_step = world_size * cfg.grad_accum
+        if cfg.global_batch_size % per_step:
+            raise UsageError(setting("global_batch_size"),
+                             f"{cfg.global_batch_size} is not divisible by world size {world_size} "
+                             f"x grad-accum {cfg.grad_accum}",
+                             f"use a multiple of {per_step}")
+        batch_size = cfg.global_batch_size // per_step
+        if "batch_size" in sources and batch_size != cfg.batch_size:
+            raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} makes {batch_size} samples per "
+                             f"process per micro-batch, and {setting('batch_size')} says {cfg.batch_size}",
+                             "give one of the two")
+    synthetic_batches = cfg.synthetic_size // world_size // batch_size  # per rank, as the sampler will cut them
+    if cfg.dataset == "synthetic" and synthetic_batches < cfg.grad_accum:
+        raise no_step_error(synthetic_batches, cfg.grad_accum)
+    if cfg.dataset == "imagefolder":
+        train_dir = Path(cfg.data_dir) / "train"
+        if not train_dir.is_dir():
+            raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
+                             "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
+        try:  # the cheap half of ImageFolder's check, before torchvision is imported (seconds)
+            has_class_folders = any(entry.is_dir() for entry in train_dir.iterdir())
+        except OSError as err:
+            raise UsageError(setting("data_dir"), f"cannot list {train_dir} ({err.strerror})",
+                             "make the data folder readable by the trainer's user") from None
+        if not has_class_folders:
+            raise UsageError(setting("data_dir"), f"{train_dir} has no class folders",
+                             f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
+    if cfg.dataset == "packed" and not (Path(cfg.data_dir) / "pack.json").is_file():
+        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' holds no pack.json for --dataset packed",
+                         f"pack an image folder into it first: trainer-pack SRC {cfg.data_dir}")
+    if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
+        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
+                         "give a checkpoint (a step-* file or directory), auto or never")
+    if cfg.resume == "never" and any(Path(cfg.checkpoint_dir).glob("step-*")):
+        # Rotation keeps the highest steps: a fresh run there would lose its own checkpoints first.
+        raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
+                         "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
+                         "which a run restarted after a failure needs")
+    if cfg.loader == "memory" and not catalog.in_memory(cfg.dataset):
+        raise UsageError(setting("loader"), f"{cfg.dataset} is read sample by sample, not held in memory",
+                         "use --loader dataloader or auto")
+    if cfg.strategy == "fsdp" and cfg.sync_bn:
+        raise UsageError(setting("sync_bn"), "SyncBatchNorm is for --strategy ddp (fsdp shards the norm layers)",
+                         "drop --sync-bn, or use --strategy ddp")
+    if cfg.strategy == "fsdp" and cfg.local_sgd_period:
+        raise UsageError(setting("local_sgd_period"), "averages whole copies of the parameters, which no process "
+                         "holds under fsdp", "drop it, or use --strategy ddp")
+    if cfg.strategy != "fsdp" and cfg.fsdp_cpu_offload:
+        raise UsageError(setting("fsdp_cpu_offload"), "offloads fsdp's shards, and this run is --strategy ddp",
+                         "add --strategy fsdp, or drop it")
+    if cfg.model == "autoencoder" and cfg.channels_last:
+        raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
+                         "drop --channels-last for --model autoencoder")
+    return dataclasses.replace(cfg, batch_size=batch_size, world_size=world_size)
+
+
+def check_gpu_options(backend: str, sync_bn: bool, cuda_available: bool, world_size: int) -> None:
+    """Settings that need a GPU, refused where there is none (the launcher checks before torchrun starts
+    ranks that would each fail)."""
+    if backend == "nccl" and not cuda_available:
+        raise UsageError("--backend", "nccl needs a CUDA GPU and none is visible",
+                         "use --backend gloo (or auto) on CPU hosts, or give the container GPUs")
+    if sync_bn and world_size > 1 and not cuda_available:
+        raise UsageError("--sync-bn", "SyncBatchNorm runs on CUDA GPUs only and none is visible",
+                         "drop --sync-bn on CPU hosts")

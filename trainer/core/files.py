@@ -1,0 +1,85 @@
+"""Atomic writes: the one home of the temp-name, fsync and rename rules every file the trainer writes follows.
+
+A file is written under a temp name in its own directory (the rename must stay on one file system), flushed
+and fsynced, renamed over its final name, and the directory is fsynced so the rename itself survives a power
+loss. A reader therefore sees the whole old file or the whole new one, never a torn one. A writer killed
+mid-write leaves a temp file (TEMP_PREFIX...) that its directory's owner removes (checkpoint rotation does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+TEMP_PREFIX = ".tmp-"
+
+
+def temp_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: hidden, in the same directory, and unique to
+    this process (two writers of one name never share a temp file)."""
+    return path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(f: IO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def commit(temp: Path, final: Path) -> None:
+    """Rename a fully written temp file (or directory) over `final`, durably."""
+    os.replace(temp, final)
+    fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
+    """`with atomic_file(path) as f: f.write(...)`: `path` holds everything written, or stays as it was.
+    durable=False skips the fsyncs, for files whose loss in a power cut costs nothing (they are rewritten)."""
+    temp = temp_path(path)
+    try:
+        with open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            yield f
+            if durable:
+                fsync_file(f)
+        if durable:
+            commit(temp, path)
+        else:
+            os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, write: Callable[[Path], None], durable: bool = True) -> None:
+    """For writers that take a path rather than a file (safetensors' save_file): `write(temp)`, then commit."""
+    temp = temp_path(path)
+    try:
+        write(temp)
+        if durable:
+            with open(temp, "rb") as f:
+                os.fsync(f.fileno())
+            commit(temp, path)
+        else:
+            os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 2) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "w") as f:
+        f.write(json.dumps(payload, indent=indent) + "\n")

@@ -1,0 +1,356 @@
+"""Datasets, per-rank sharding and the two input paths.
+
+Every random choice of augmentation is a pure function of (seed, epoch, sample index). So a sample
+looks the same whichever rank, world size or input path reads it, and a resumed run sees exactly
+the batches the uninterrupted run would have seen.
+
+Input paths:
+- memory: datasets that fit in memory (synthetic, CIFAR-10, MNIST) are one uint8 tensor, on the GPU
+  when there is one; a batch is one indexing op plus batched crop/flip, with no per-sample Python.
+- dataloader: worker processes decode and collate per sample (ImageFolder, users' datasets, or on request).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from trainer.config import catalog
+from trainer.config.catalog import DataSpec
+from trainer.config.settings import TrainConfig
+from trainer.core.errors import EchoedUsageError, UsageError, first_line
+from trainer.data.images import (ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_keys, seeded,
+                                 synthetic_spec)
+from trainer.data.sampling import batch_range, epoch_shard
+from trainer.dist.collectives import local_main_first
+from trainer.dist.context import DistContext
+from trainer.dist.stop import GracefulStop
+
+log = logging.getLogger(__name__)
+
+CROP_PADDING = 4
+SYNTHETIC_CLASSES = catalog.DATASETS["synthetic"].num_classes
+DOWNLOAD_STALL_TIMEOUT_S = 20  # seconds without a byte before a dataset download counts as failed
+
+
+@dataclass
+class InMemoryImages:
+    images: torch.Tensor  # uint8, N x C x H x W
+    labels: torch.Tensor  # int64, N
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+# ---------------------------------------------------------------------------------------- datasets
+
+
+def make_synthetic(size: int, seed: int, image_size: int = 32) -> tuple[InMemoryImages, InMemoryImages]:
+    """Learnable images: each class is a smooth colour pattern, each sample a noisy, shifted copy."""
+    gen = torch.Generator().manual_seed(seed)
+    prototypes = torch.nn.functional.interpolate(
+        torch.randn(SYNTHETIC_CLASSES, 3, 4, 4, generator=gen), size=(image_size, image_size),
+        mode="bilinear", align_corners=False)
+
+    def draw(n: int) -> InMemoryImages:
+        labels = torch.randint(0, SYNTHETIC_CLASSES, (n,), generator=gen)
+        images = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
+        rows = max(1, 2**24 // prototypes[0].numel())  # float scratch bounded (64 MB) at ImageNet sizes
+        for begin in range(0, n, rows):
+            chunk = labels[begin:begin + rows]
+            noise = torch.randn(len(chunk), 3, image_size, image_size, generator=gen)
+            images[begin:begin + rows] = (128 + 48 * prototypes[chunk] + 40 * noise).clamp_(0, 255)
+        return InMemoryImages(images, labels)
+
+    return draw(size), draw(max(1, size // 5))
+
+
+def _torchvision_dataset(cfg: TrainConfig, ctx: DistContext):
+    from torchvision import datasets
+
+    class CIFAR10(datasets.CIFAR10):
+        # Files rebuilt or re-packed on a cluster store rarely keep the published checksums; the
+        # loader itself validates shapes, so trust files that are there and download the rest.
+        def _check_integrity(self) -> bool:
+            root = Path(self.root) / self.base_folder
+            return all((root / name).is_file() for name, _ in self.train_list + self.test_list)
+
+        def _load_meta(self) -> None:  # the same trust for batches.meta (torchvision checks its md5)
+            import pickle
+
+            with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
+    cls = {"cifar10": CIFAR10, "mnist": datasets.MNIST}[cfg.dataset]
+    failure = None
+    with local_main_first(ctx):  # one download per node, the other processes wait for it
+        if ctx.is_local_main:
+            # torchvision opens URLs without a timeout: behind a firewall that drops packets the
+            # download would wait forever (and the other ranks with it) instead of failing.
+            previous_timeout = socket.getdefaulttimeout()
+            socket.setdefaulttimeout(DOWNLOAD_STALL_TIMEOUT_S)
+            created = not Path(cfg.data_dir).exists()
+            try:
+                cls(cfg.data_dir, train=True, download=True)
+                cls(cfg.data_dir, train=False, download=True)
+            except Exception as err:  # noqa: BLE001 (network, permissions, read-only mount: all mean the same to the user)
+                failure = err
+                if created:  # a mistyped --data-dir leaves no empty folders behind
+                    shutil.rmtree(cfg.data_dir, ignore_errors=True)
+            finally:
+                socket.setdefaulttimeout(previous_timeout)
+    try:
+        train, val = cls(cfg.data_dir, train=True), cls(cfg.data_dir, train=False)
+    except Exception as err:  # noqa: BLE001
+        reason = failure or err
+        # The node's first process tried the download and says why it failed; the others would only
+        # repeat torchvision's "not found" (with its advice to pass download=True).
+        error = UsageError if ctx.is_local_main else EchoedUsageError
+        raise error("--data-dir", f"{cfg.dataset} could not be read from '{cfg.data_dir}' nor downloaded "
+                    f"({type(reason).__name__}: {first_line(reason, 120)})",
+                    "mount the dataset files at the data directory, or use --dataset synthetic") from None
+
+    def to_memory(ds) -> InMemoryImages:
+        images = torch.as_tensor(ds.data)
+        images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+        return InMemoryImages(images.contiguous(), torch.as_tensor(ds.targets, dtype=torch.long))
+
+    return to_memory(train), to_memory(val)
+
+
+class _UserDataset(Dataset):
+    """A user's map-style dataset, keyed like the built-in ones: its random transforms (torch's RNG) are
+    seeded per (seed, epoch, index), so a resumed run sees the very samples the uninterrupted one would."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        with seeded(index, epoch, self.seed):
+            return self.dataset[index]
+
+
+class _MemoryAsDataset(Dataset):
+    """In-memory images served sample by sample (the DataLoader path on request, and its benchmark)."""
+
+    def __init__(self, data: InMemoryImages):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, _epoch = key
+        return self.data.images[index], self.data.labels[index]
+
+
+def build_datasets(cfg: TrainConfig, ctx: DistContext):
+    """(train, val, spec); train and val are InMemoryImages or map-style datasets (val may be None)."""
+    if catalog.is_import_path(cfg.dataset):
+        return user_datasets(cfg)
+    if cfg.dataset == "synthetic":
+        train, val = make_synthetic(cfg.synthetic_size, cfg.seed, cfg.synthetic_image_size)
+        return train, val, synthetic_spec(cfg.synthetic_image_size)
+    if cfg.dataset in ("cifar10", "mnist"):
+        train, val = _torchvision_dataset(cfg, ctx)
+        return train, val, builtin_spec(cfg.dataset, catalog.DATASETS[cfg.dataset].image_size)
+    if cfg.dataset == "packed":
+        from trainer.data.pack import packed_datasets
+
+        return packed_datasets(cfg)
+    root = Path(cfg.data_dir)
+    folder = image_folder_class(cfg, ctx)
+    train = folder(root / "train", True, cfg.image_size, cfg.augment, cfg.seed)
+    val = folder(root / "val", False, cfg.image_size, cfg.augment, cfg.seed) if (root / "val").is_dir() else None
+    if val is None:
+        log.warning("no val/ folder under %s: validation is skipped", root)
+    elif val.folder.classes != train.folder.classes:  # labels are class indices: any difference mislabels val
+        differ = sorted(set(val.folder.classes) ^ set(train.folder.classes))
+        raise UsageError("--data-dir", f"train/ and val/ under {root} have different class folders "
+                         f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} in only one of them)",
+                         "give val/ the same class folders as train/")
+    return train, val, builtin_spec("imagefolder", cfg.image_size, len(train.folder.classes))
+
+
+def image_folder_class(cfg: TrainConfig, ctx: DistContext):
+    """The image folder's reader for --decode (trainer/data/jpeg.py): auto is the GPU path on CUDA with the
+    imagenet policy (small images gain nothing from it), else the fast CPU path."""
+    from trainer.data import jpeg
+
+    light = jpeg.resolve_augment(cfg.augment, cfg.image_size) == "light"
+    decode = cfg.decode
+    if decode == "auto":
+        decode = "gpu" if ctx.device.type == "cuda" and not light else "cpu"
+    if decode == "gpu" and ctx.device.type != "cuda":
+        raise UsageError("--decode", f"gpu, but this process trains on {ctx.device}",
+                         "use --decode auto or cpu without a GPU")
+    if decode == "gpu" and light:
+        raise UsageError("--decode", "gpu does the imagenet policy's crops; the light policy's padded crops are "
+                         "made on the CPU", "use --decode cpu, or --augment imagenet")
+    return {"pil": ImageFolderWithKeys, "cpu": jpeg.FastImageFolder, "gpu": jpeg.GpuImageFolder}[decode]
+
+
+def user_datasets(cfg: TrainConfig):
+    """The user's dataset factory's (train, val, spec), checked where a mistake would otherwise surface
+    steps later, or on one rank only, as a shape error deep inside the model."""
+    path, setting = cfg.dataset, "--dataset"
+    result = catalog.call_factory(path, setting, cfg)
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        raise UsageError(setting, f"{path} returned {type(result).__name__}"
+                         f"{f' of {len(result)} items' if isinstance(result, (tuple, list)) else ''}, "
+                         "not (train, val, spec)", "return train and validation datasets (val may be None) and "
+                         "a trainer.DataSpec")
+    train, val, spec = result[0], result[1], catalog.data_spec(result[2], path, setting)
+    for split, data in (("training", train), ("validation", val)):
+        if data is None and split == "validation":
+            continue
+        if isinstance(data, IterableDataset):
+            raise UsageError(setting, f"{path} returned an IterableDataset as its {split} data; the trainer shards "
+                             "map-style datasets by index, which is what makes resume exact",
+                             "return a Dataset with __len__ and __getitem__, or write your own loop "
+                             "(trainer-launch your_script.py)")
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise UsageError(setting, f"{path} returned a {type(data).__name__} as its {split} data, not a "
+                             "map-style dataset", "return a torch.utils.data.Dataset (__len__ and __getitem__)")
+        if len(data) == 0:
+            raise UsageError(setting, f"{path} returned an empty {split} dataset", "give it samples")
+        _check_sample(data, spec, path, split)
+    if val is None:
+        log.warning("%s returned no validation data: validation is skipped", path)
+    return (_UserDataset(train, cfg.seed), _UserDataset(val, cfg.seed) if val is not None else None, spec)
+
+
+def _check_sample(data, spec: DataSpec, path: str, split: str) -> None:
+    """The first sample against what the spec says: (input tensor of its shape, target of its classes)."""
+    try:
+        sample = data[0]
+    except Exception as err:  # noqa: BLE001 (the user's __getitem__)
+        raise catalog.user_code_error("--dataset", path, err, f"reading {split} sample 0") from None
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise UsageError("--dataset", f"{path}'s {split} samples are {type(sample).__name__}, not (input, target)",
+                         "return (input, target) pairs from __getitem__")
+    inputs, target = sample
+    if not isinstance(inputs, torch.Tensor):
+        raise UsageError("--dataset", f"{path}'s {split} inputs are {type(inputs).__name__}, not tensors",
+                         "convert them in the dataset (torchvision: transforms.PILToTensor or ToTensor)")
+    if spec.sample_shape and tuple(inputs.shape) != spec.sample_shape:
+        raise UsageError("--dataset", f"{path}'s {split} inputs have shape {tuple(inputs.shape)} but its spec "
+                         f"describes {spec.sample_shape}", "make the DataSpec (channels, image_size or "
+                         "input_shape) say what the data is")
+    labels = torch.as_tensor(target)
+    if spec.num_classes and not labels.is_floating_point() and labels.numel() and \
+            not 0 <= int(labels.min()) <= int(labels.max()) < spec.num_classes:
+        shown = str(labels.tolist())[:40]
+        raise UsageError("--dataset", f"{path}'s {split} target {shown} is outside the {spec.num_classes} classes "
+                         "its spec describes", "make num_classes cover every target (classes are 0 .. num_classes-1)")
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+class _KeyedOrder(Sampler):
+    """Yields (index, epoch) keys in an order set before each epoch (the main process owns it)."""
+
+    def __init__(self):
+        self.indices: list[int] = []
+        self.epoch = 0
+
+    def __iter__(self):
+        return iter([(i, self.epoch) for i in self.indices])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Batches:
+    """One rank's batches of one split, on the training device, normalised and augmented."""
+
+    def __init__(self, data, spec: DataSpec, cfg: TrainConfig, ctx: DistContext, train: bool):
+        self.spec, self.train, self.ctx = spec, train, ctx
+        self.batch_size, self.seed = cfg.batch_size, cfg.seed
+        self.device = ctx.device
+        in_memory = isinstance(data, InMemoryImages)
+        use_memory = in_memory and cfg.loader != "dataloader"  # config refuses memory for on-disk data
+        self.size = len(data)
+        self.memory = data if use_memory else None
+        if self.memory is not None:
+            self.memory = InMemoryImages(data.images.to(self.device), data.labels.to(self.device))
+        else:
+            self.order = _KeyedOrder()
+            workers = cfg.num_workers
+            # A dataset may collate its own batches and finish them on the device (jpeg.GpuImageFolder).
+            self.stage = getattr(data, "stage", lambda loader, device: loader)
+            self.loader = DataLoader(
+                data if not in_memory else _MemoryAsDataset(data), batch_size=self.batch_size,
+                collate_fn=getattr(data, "collate", None),
+                sampler=self.order, num_workers=workers, pin_memory=self.device.type == "cuda",
+                # Validation's workers live only while it runs: between them they would hold memory for nothing.
+                persistent_workers=train and workers > 0, drop_last=train, prefetch_factor=4 if workers else None,
+                worker_init_fn=GracefulStop.dataloader_worker_init)
+        # uint8 images are scaled to [0, 1] and normalised (where the spec gives mean and std), in
+        # --channels-last layout on request; other inputs (floats, token ids) reach the model as they are.
+        mean = torch.tensor(spec.mean or (0.0,), device=self.device).view(1, -1, 1, 1)
+        std = torch.tensor(spec.std or (1.0,), device=self.device).view(1, -1, 1, 1)
+        self.scale, self.shift = 1 / (255 * std), mean / std
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        shard = self._shard(0)
+        self.num_batches = len(shard) // self.batch_size if train else -(-len(shard) // self.batch_size)
+
+    def _shard(self, epoch: int) -> list[int]:
+        if not self.train:  # no padding: padded duplicates would be counted twice in the metrics
+            return list(range(self.ctx.rank, self.size, self.ctx.world_size))
+        return epoch_shard(self.size, self.ctx.rank, self.ctx.world_size, self.seed, epoch)
+
+    def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> Iterator:
+        """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels)."""
+        stop_batch = self.num_batches if stop_batch is None else stop_batch
+        indices = batch_range(self._shard(epoch), self.batch_size, start_batch, stop_batch)
+        if self.memory is not None:
+            order = torch.tensor(indices, dtype=torch.long, device=self.device)
+            for begin in range(0, len(indices), self.batch_size):
+                idx = order[begin:begin + self.batch_size]
+                yield self._prepare(self.memory.images[idx], self.memory.labels[idx], idx, epoch)
+            return
+        self.order.indices, self.order.epoch = indices, epoch
+        try:
+            for batch_number, (images, labels) in enumerate(self.stage(self.loader, self.device)):
+                first = batch_number * self.batch_size
+                idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
+                # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps
+                yield self._prepare(images.to(self.device, non_blocking=True),
+                                    labels.to(self.device, non_blocking=True),
+                                    idx.to(self.device, non_blocking=True), epoch)
+        except UnreadableImage as err:
+            raise UsageError("--data-dir", f"cannot read the image {err.what}", "remove or replace the file") from None
+
+    def _prepare(self, inputs: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
+        if inputs.dtype != torch.uint8 or inputs.ndim != 4:  # not a batch of uint8 images
+            return inputs, labels
+        x = inputs.float().mul_(self.scale).sub_(self.shift)
+        if self.train and self.spec.augment_on_device:
+            x = random_crop_flip(x, sample_keys(idx, epoch, self.seed))
+        return x.contiguous(memory_format=self.memory_format), labels
+
+
+def random_crop_flip(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per-sample random crop (zero padding 4) and horizontal flip, batched, decided by the keys."""
+    n, _, h, w = x.shape
+    span = 2 * CROP_PADDING + 1
+    dy, dx, flip = keys % span, (keys // span) % span, (keys // (span * span)) % 2 == 1
+    padded = torch.nn.functional.pad(x, (CROP_PADDING,) * 4)
+    rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]
+    cols = torch.where(flip[:, None, None], cols.flip(2), cols)
+    batch = torch.arange(n, device=x.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()

@@ -1,0 +1,111 @@
+"""What every image path shares: the per-sample random keys, the torchvision reference transforms, the image
+folder keyed by (index, epoch), and the error for a file that is no image.
+
+Every random choice of augmentation is a pure function of (seed, epoch, sample index), so a sample looks the
+same whichever rank, world size or input path reads it."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import Dataset
+
+from trainer.config import catalog
+from trainer.config.catalog import DataSpec
+from trainer.config.settings import LIGHT_AUGMENT_BELOW
+from trainer.core.errors import UsageError, first_line
+
+
+def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """A well-mixed 31-bit integer per (seed, epoch, index): the only source of augmentation randomness."""
+    x = (indices.long() * 0x9E3779B1 + epoch * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return ((x >> 16) ^ x) & 0x7FFFFFFF
+
+
+def sample_key(index: int, epoch: int, seed: int) -> int:
+    """sample_keys for one sample, in plain Python (a DataLoader worker's per-sample cost)."""
+    x = (index * 0x9E3779B1 + epoch * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return ((x >> 16) ^ x) & 0x7FFFFFFF
+
+
+def builtin_spec(name: str, image_size: int, num_classes: int | None = None) -> DataSpec:
+    entry = catalog.DATASETS[name]
+    return DataSpec(entry.channels, image_size, num_classes or entry.num_classes, entry.mean, entry.std,
+                    augment_on_device=entry.crop_flip)
+
+
+def synthetic_spec(image_size: int) -> DataSpec:
+    return builtin_spec("synthetic", image_size)
+
+
+class UnreadableImage(Exception):
+    """A file in the image folder that cannot be decoded. From a DataLoader worker it comes back with the
+    worker's traceback as its message, whose last line is the original one."""
+
+    @property
+    def what(self) -> str:
+        return str(self).strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
+
+
+@contextlib.contextmanager
+def seeded(index: int, epoch: int, seed: int) -> Iterator[None]:
+    """torch's RNG seeded from (seed, epoch, index) for one sample's random transforms, restored afterwards
+    (with --num-workers 0 it is the training process's RNG)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, seed)))
+        yield
+
+
+def image_transforms(train: bool, image_size: int, augment: str):
+    """The torchvision transforms of an image folder, PIL image -> uint8 tensor."""
+    from torchvision import transforms
+
+    if augment == "auto":
+        augment = "imagenet" if image_size >= LIGHT_AUGMENT_BELOW else "light"
+    if augment == "imagenet":
+        steps = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
+            transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
+    else:  # light and none keep the whole image, resized to the side
+        steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+        if train and augment == "light":  # the CIFAR recipe: padding of 1/8 of the side (4 at 32 px)
+            steps += [transforms.RandomCrop(image_size, padding=max(1, image_size // 8)),
+                      transforms.RandomHorizontalFlip()]
+    return transforms.Compose(steps + [transforms.PILToTensor()])
+
+
+class ImageFolderWithKeys(Dataset):
+    """ImageFolder whose random transforms are seeded per (seed, epoch, index)."""
+
+    def __init__(self, root: Path, train: bool, image_size: int, augment: str, seed: int):
+        from torchvision import datasets
+
+        try:
+            self.folder = datasets.ImageFolder(str(root))
+        except OSError as err:  # no class folders, no images in them, or unreadable
+            raise UsageError("--data-dir", f"{root}: {first_line(err, 200)}",
+                             f"put images in {root}/<class>/ (.jpg, .png, ...) readable by this user") from None
+        self.seed, self.train, self.side, self.augment = seed, train, image_size, augment
+        self.transform = image_transforms(train, image_size, augment)
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        path, label = self.folder.samples[index]
+        try:
+            image = self.folder.loader(path)
+        except OSError as err:  # a stray non-image file, a truncated copy, a file of another uid
+            from PIL import UnidentifiedImageError
+
+            reason = "not an image PIL can decode" if isinstance(err, UnidentifiedImageError) else first_line(err)
+            raise UnreadableImage(f"{path} ({reason})") from None
+        with seeded(index, epoch, self.seed):
+            return self.transform(image), label

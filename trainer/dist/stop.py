@@ -1,0 +1,74 @@
+"""The stop: a signal asks for it (GracefulStop), every rank agrees on the step (StopVote)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from trainer.dist.context import DistContext
+
+log = logging.getLogger("trainer")
+
+
+class GracefulStop:
+    """SIGTERM (docker stop, torchrun shutdown) or SIGINT: finish the step, checkpoint, exit 0.
+
+    The built-in trainer and trainer.api both stop through it, agreeing on the step with StopVote."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def close(self) -> None:
+        """Training is over and saved: a late signal (our own agent's, see stop_host_agent) changes nothing."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+
+    def _request(self, signum, _frame):
+        self.requested = True
+        log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
+
+    @staticmethod
+    def dataloader_worker_init(worker_id: int) -> None:
+        """A DataLoader's worker_init_fn: its workers leave a stop to the training process. torchrun signals
+        each worker's whole process group, DataLoader workers included, and torch's SIGTERM handler in a
+        DataLoader worker dies of any SIGTERM but its parent's: the training process then failed on the
+        dead worker instead of checkpointing. In a process group of its own, a worker gets neither that
+        signal nor a terminal's Ctrl-C; its parent shuts it down (and it exits when its parent dies)."""
+        os.setpgid(0, 0)
+
+
+class StopVote:
+    """Whether any rank wants to stop, agreed with one step of slack (CPU-side, no GPU sync).
+
+    `vote(flag)` starts this step's MAX all-reduce and returns the previous step's outcome, so no
+    rank waits for the others at every step: with local SGD no other collective runs in a step,
+    and meeting every step would cost each step the slower rank's jitter. Every rank sees the
+    same outcome at the same step, which is all that stopping together needs."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.pending: tuple | None = None
+
+    def vote(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if not self.ctx.distributed:
+            return flag
+        previous = self.finish()
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+        self.pending = (value, work)
+        return previous
+
+    def finish(self) -> bool:
+        """The outcome of the vote in flight (False if none); call once more before leaving the loop."""
+        if self.pending is None:
+            return False
+        value, work = self.pending
+        self.pending = None
+        work.wait()
+        return bool(value.item())
