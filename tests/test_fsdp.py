@@ -253,8 +253,8 @@ def test_a_ddp_checkpoint_is_converted_for_an_fsdp_run(ddp_run, fsdp_run, tmp_pa
 
 SAVE_LOOP = """
 import os, sys, torch
-from pathlib import Path
-from trainer.checkpoint import store as checkpoint
+from trainer.checkpoint.checkpointer import Checkpointer, Labels
+from trainer.checkpoint.state import Position
 from trainer.dist.context import setup
 from trainer.config.settings import load_config
 from trainer.engine.optim import build_optimizer, build_scheduler
@@ -266,12 +266,14 @@ from trainer.dist.strategy import for_run
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
 for_run(cfg, ctx, model).wrap(model)
 optimizer = build_optimizer(cfg, model)
-parts = checkpoint.Trainable(model, optimizer, build_scheduler(cfg, optimizer, 1000), torch.amp.GradScaler("cuda", enabled=False))
+saver = Checkpointer(ctx, sys.argv[1], keep=2, every=0, resume="never", sharded=True, door="built-in",
+                     labels=Labels("--checkpoint-dir", "--log-dir", "--resume"))
+saver.register({"model": model, "optimizer": optimizer, "scheduler": build_scheduler(cfg, optimizer, 1000)}, "test")
 for step in range(1, 1000):  # 64 MiB of weights a save: long enough to be caught in the middle
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float(step))
-    checkpoint.save_sharded(Path(sys.argv[1]), step, parts, checkpoint.Position(0, 0, step), cfg, ctx, keep=2)
+    saver.commit(Position(0, 0, step), 2, cfg.as_dict())
 """
 
 
@@ -378,6 +380,7 @@ def test_a_checkpoint_directory_missing_its_marker_or_a_shard_is_one_line(fsdp_r
 def test_every_world_size_reads_one_global_order_so_a_position_maps_exactly():
     """The fact the resume at another world size rests on: with the global batch fixed, global batch k holds
     the same samples at 1, 2 or 4 processes, and a checkpoint's position maps to the same sample."""
+    from trainer.checkpoint import state as ckpt_state
     from trainer.data.sampling import epoch_shard
 
     def global_batches(world_size: int, global_batch: int = 8, size: int = 100) -> list[set[int]]:
@@ -388,5 +391,5 @@ def test_every_world_size_reads_one_global_order_so_a_position_maps_exactly():
 
     assert global_batches(1) == global_batches(2) == global_batches(4)
     saved = {"epoch": 1, "batch": 6, "samples_per_batch": 8}  # 2 processes x 4 samples, grad-accum 2
-    assert checkpoint.resized_batch(saved, 8, grad_accum=2) == 6  # 4 processes x 2 samples: unchanged
-    assert checkpoint.resized_batch(saved, 16, grad_accum=1) == 3  # 4 x 4, no accumulation: 48 samples in
+    assert ckpt_state.resized_batch(saved, 8, grad_accum=2) == 6  # 4 processes x 2 samples: unchanged
+    assert ckpt_state.resized_batch(saved, 16, grad_accum=1) == 3  # 4 x 4, no accumulation: 48 samples in

@@ -17,7 +17,7 @@ from helpers import (
     train_ok,
 )
 
-from trainer.checkpoint.store import load_optimizer_state, load_scaler_state
+from trainer.checkpoint.state import load_object, load_scaler_state
 from trainer.config.settings import TrainConfig
 from trainer.data.datasets import SYNTHETIC_CLASSES
 from trainer.data.images import synthetic_spec
@@ -104,7 +104,7 @@ def test_an_fp16_run_resumes_from_a_checkpoint_of_another_precision():
     fp16_model = copy.deepcopy(bf16_model)
     fp16_optimizer = build_optimizer(TrainConfig(amp="fp16"), fp16_model)
     scaler = torch.amp.GradScaler("cpu")
-    load_optimizer_state(fp16_optimizer, saved_optimizer)
+    load_object(fp16_optimizer, saved_optimizer)
     load_scaler_state(scaler, saved_scaler)
     assert all(group["fused"] for group in bf16_optimizer.param_groups)
     assert not any(group["fused"] for group in fp16_optimizer.param_groups)  # this run's choice, not the file's

@@ -429,7 +429,8 @@ def test_example_char_lm_is_not_an_image_model(tmp_path):
 
 
 def test_a_scripts_checkpoint_is_refused_by_the_built_in_trainer(tmp_path):
-    """trainer.api writes step-N.pt files too; the built-in trainer pointed at them says whose they are."""
+    """trainer.api writes step-N.pt files too; the built-in trainer pointed at one holding less than it resumes
+    says what is missing."""
     script = textwrap.dedent("""
         import torch
         from trainer import api
@@ -443,4 +444,5 @@ def test_a_scripts_checkpoint_is_refused_by_the_built_in_trainer(tmp_path):
     assert done.returncode == 0 and list((tmp_path / "checkpoints").glob("step-*.pt")), done.stderr
     result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
                           *dirs_args(tmp_path)], tmp_path)
-    assert "checkpoint of a training script" in assert_usage_error(result, "--resume")
+    assert "this run resumes model, optimizer, scheduler, scaler (scheduler, scaler missing)" in \
+        assert_usage_error(result, "--resume")

@@ -43,7 +43,7 @@ def main() -> None:
 
     dataset = Numbered(args.samples)
     with api.Run(checkpoint_dir=f"{args.out}/checkpoints", log_dir=f"{args.out}/runs",
-                 checkpoint_every=args.checkpoint_every) as run:
+                 checkpoint_every=args.checkpoint_every, log_every=10) as run:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(run.device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

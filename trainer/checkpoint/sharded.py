@@ -114,42 +114,51 @@ def load_state_file(directory: Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- the tensors
 
-def tensor_state(model, optimizer) -> tuple[dict[str, Any], list]:
-    """{"model": ..., "optimizer": {fqn: {name: tensor}}} and the optimizer's param_groups: each rank's shards (DTensors) under fsdp,
-    whole tensors otherwise. Keys are the model's own parameter names under either strategy."""
+def tensor_state(model, optimizer, names: tuple[str, str] = ("model", "optimizer")) -> tuple[dict[str, Any], list]:
+    """{model name: ..., optimizer name: {fqn: {name: tensor}}} and the optimizer's param_groups: each rank's shards
+    (DTensors) under fsdp, whole tensors otherwise. Keys are the model's own parameter names under either
+    strategy. `names`: what the run registered them as (the built-in loop: model, optimizer); no optimizer: the
+    model alone."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    state = {names[0]: get_model_state_dict(model)}
+    if optimizer is None:
+        return state, []
     optim = get_optimizer_state_dict(model, optimizer)
-    state = {fqn: {k: v for k, v in per_param.items() if isinstance(v, torch.Tensor)}
-             for fqn, per_param in optim["state"].items()}
-    return {"model": get_model_state_dict(model), "optimizer": state}, optim["param_groups"]
+    state[names[1]] = {fqn: {k: v for k, v in per_param.items() if isinstance(v, torch.Tensor)}
+                       for fqn, per_param in optim["state"].items()}
+    return state, optim["param_groups"]
 
 
-def load_into(model, optimizer, directory: Path, param_groups: list, kernels_kept) -> None:
+def load_into(model, optimizer, directory: Path, param_groups: list, kernels_kept,
+              names: tuple[str, str] = ("model", "optimizer")) -> None:
     """Every rank reads what it holds of the checkpoint's model and optimizer state (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state, _ = tensor_state(model, optimizer)  # the shapes and shards to fill
+    state, _ = tensor_state(model, optimizer, names)  # the shapes and shards to fill
     with _one_process_quietly():
         dcp.load(state, storage_reader=_reader(directory), planner=_planner())
-    set_model_state_dict(model, state["model"])
-    with kernels_kept(optimizer):
-        set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": param_groups})
+    set_model_state_dict(model, state[names[0]])
+    if optimizer is not None:
+        with kernels_kept(optimizer):
+            set_optimizer_state_dict(model, optimizer, {"state": state[names[1]], "param_groups": param_groups})
 
 
-def load_full_into(model, optimizer, saved: dict[str, Any], kernels_kept) -> None:
-    """A single-file checkpoint (every tensor whole, optimizer state keyed by index, as
+def load_full_into(model, optimizer, model_state: dict[str, Any], optim_state: dict[str, Any] | None,
+                   kernels_kept) -> None:
+    """A single-file checkpoint's states (every tensor whole, optimizer state keyed by index, as
     Optimizer.state_dict writes it) into a sharded model: each rank keeps its shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=full)
+    if optimizer is None:
+        return
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    optim = saved["optimizer"]
-    converted = {"state": {order[i]: s for i, s in optim["state"].items()},
-                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim["param_groups"]]}
-    full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, saved["model"], options=full)
+    converted = {"state": {order[i]: s for i, s in optim_state["state"].items()},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]]}
     with kernels_kept(optimizer):
         set_optimizer_state_dict(model, optimizer, converted, options=full)
 
@@ -177,7 +186,8 @@ def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------------- committing
 
-def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx, final: Path) -> None:
+def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx, final: Path,
+         names: tuple[str, str] = ("model", "optimizer")) -> None:
     """Every rank calls this; `final` is step-NNNNNNNN/ in directory. Raises OSError/RuntimeError on
     any rank's failure (every rank raises: DCP and the broadcast below share the outcome)."""
     import torch.distributed.checkpoint as dcp
@@ -199,7 +209,7 @@ def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx
         return None
 
     _raise_if(collectives.broadcast_from_main(ctx, prepare() if ctx.is_main else None))
-    tensors, param_groups = tensor_state(model, optimizer)
+    tensors, param_groups = tensor_state(model, optimizer, names)
     with _one_process_quietly():
         dcp.save(tensors, storage_writer=FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True))
 

@@ -17,13 +17,12 @@ import re
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import torch
 
-from trainer.config.settings import TrainConfig
+from trainer.checkpoint.state import FORMAT
 from trainer.core.errors import UsageError, first_line, os_reason
 from trainer.core.files import TEMP_PREFIX, atomic_file
 from trainer.dist.context import DistContext
@@ -31,98 +30,12 @@ from trainer.dist.context import DistContext
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded directory
-FORMAT = 1  # the "format" key of every checkpoint this trainer writes
 LOCK_NAME = ".lock"
 FULL_DISK_BYTES = 1 << 20  # less free than this: the disk is full, for a checkpoint or a start-up check
 
 
 class CheckpointError(Exception):
     """A checkpoint could not be written; older checkpoints are untouched."""
-
-
-@dataclass
-class Position:
-    """Where training stands: `step` optimizer steps done, and the next micro-batch is `batch` of `epoch`."""
-    epoch: int = 0
-    batch: int = 0
-    step: int = 0
-
-
-@dataclass
-class Trainable:
-    """What a checkpoint restores besides the position."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler
-
-
-def snapshot(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    return {"model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
-            **snapshot_rest(parts, pos, cfg, ctx)}
-
-
-def snapshot_rest(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    """Everything a checkpoint holds besides the model and optimizer tensors."""
-    return {"format": FORMAT, "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
-            "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
-            "samples_per_batch": cfg.batch_size * ctx.world_size, "config": cfg.as_dict(), "rng": rng_state(ctx)}
-
-
-def rng_state(ctx: DistContext) -> dict[str, torch.Tensor]:
-    """torch's random state (dropout, random augmentation in user code): a resumed run draws what the
-    uninterrupted run would have drawn."""
-    cuda = ctx.device.type == "cuda"
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}
-
-
-def set_rng_state(ctx: DistContext, rng: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if ctx.device.type == "cuda" and rng["cuda"].numel():
-        torch.cuda.set_rng_state(rng["cuda"])
-
-
-def restore(parts: Trainable, state: dict[str, Any], path: Path, cfg: TrainConfig, ctx: DistContext) -> Position:
-    """Load a snapshot into parts; the position to continue from."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from trainer.checkpoint import sharded
-    from trainer.dist.strategy import is_sharded
-
-    try:
-        if path.is_dir():  # DCP reshards it for this world size and strategy
-            sharded.load_into(parts.model, parts.optimizer, path, state["param_groups"], kernels_kept)
-        elif is_sharded(parts.model):  # a --strategy ddp file into an fsdp run: converted, each rank its shard
-            sharded.load_full_into(parts.model, parts.optimizer, state, kernels_kept)
-        else:
-            parts.model.load_state_dict(state["model"])
-            load_optimizer_state(parts.optimizer, state["optimizer"])
-    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:
-        raise UsageError("--resume", f"{path} does not fit this model ({first_line(err)})",
-                         "use another --checkpoint-dir or --resume never") from None
-    parts.scheduler.load_state_dict(state["scheduler"])
-    load_scaler_state(parts.scaler, state["scaler"])
-    set_rng_state(ctx, state["rng"])
-    batch = resized_batch(state, cfg.batch_size * ctx.world_size, cfg.grad_accum)
-    log.info("resuming from %s (step %d, epoch %d, batch %d)", path, state["global_step"], state["epoch"], batch)
-    return Position(state["epoch"], batch, state["global_step"])
-
-
-def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
-    """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
-    samples over all ranks. Every world size reads one global order per epoch (sampling.epoch_shard:
-    global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact whenever the
-    samples already seen fill whole steps of the new size: always when the global batch is unchanged."""
-    batch = state["batch"]
-    if state["samples_per_batch"] != samples_per_batch:
-        seen = state["batch"] * state["samples_per_batch"]
-        batch = seen // samples_per_batch
-        batch -= batch % grad_accum
-        if batch * samples_per_batch != seen:
-            log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
-                        "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
-    return batch
 
 
 def ensure_output_dir(path: str, setting: str) -> None:
@@ -181,31 +94,16 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def commit(parts: Trainable, pos: Position, cfg: TrainConfig, ctx: DistContext) -> None:
-    """Commit a checkpoint of the run (every rank calls this): one file written by rank 0 under ddp, a
-    directory of every rank's shards under fsdp (in one plain process too, so either kind resumes alike)."""
-    directory = Path(cfg.checkpoint_dir)
-    if cfg.strategy == "fsdp":
-        path = save_sharded(directory, pos.step, parts, pos, cfg, ctx, cfg.keep_checkpoints)
-    elif ctx.is_main:
-        path = save(directory, pos.step, snapshot(parts, pos, cfg, ctx), cfg.keep_checkpoints)
-    else:
-        return
-    if ctx.is_main:
-        log.info("checkpoint committed: %s", path)
-
-
-def save_sharded(directory: Path, step: int, parts: Trainable, pos: Position, cfg: TrainConfig,
-                 ctx: DistContext, keep: int) -> Path:
+def save_sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx: DistContext, keep: int,
+                 names: tuple[str, str | None]) -> Path:
     """Every rank writes its shard (trainer.checkpoint.sharded); rank 0 commits, rotates and cleans up."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from trainer.checkpoint import sharded
 
     final = directory / f"step-{step:08d}"
-    rest = snapshot_rest(parts, pos, cfg, ctx)
     try:
-        sharded.save(directory, step, parts.model, parts.optimizer, rest, ctx, final)
+        sharded.save(directory, step, model, optimizer, rest, ctx, final, names)
     except (OSError, RuntimeError, CheckpointException) as err:
         if ctx.is_main:
             _remove(directory / f"{TEMP_PREFIX}{final.name}")
@@ -335,28 +233,3 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
             log.warning("checkpoint %s does not load (%s); moved to %s, trying the previous one",
                         path, why_not(err), aside.name)
     return None
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    with kernels_kept(optimizer):
-        optimizer.load_state_dict(saved)
-
-
-@contextlib.contextmanager
-def kernels_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Loading saved hyper-parameters and state keeps this run's kernel choice: load_state_dict would
-    take `fused` from the checkpoint, so an fp16 run resumed from an fp32 or bf16 checkpoint would
-    switch back to fused SGD, and an fsdp run resumed from a ddp one to fused kernels (see build_optimizer)."""
-    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
-    yield
-    for group, chosen in zip(optimizer.param_groups, kernels):
-        group.update(chosen)
-
-
-def load_scaler_state(scaler: torch.amp.GradScaler, saved: dict) -> None:
-    """fp16's loss scale from the checkpoint; a checkpoint of an fp32 or bf16 run has none (an empty
-    dict, which GradScaler.load_state_dict refuses), so an fp16 run resumed from it starts afresh."""
-    if saved or not scaler.is_enabled():
-        scaler.load_state_dict(saved)
-    else:
-        log.info("the checkpoint has no fp16 loss scale (it was not an fp16 run): starting at %g", scaler.get_scale())

@@ -204,18 +204,41 @@ def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -
 
 
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
-    """Merge flags, environment, .env and defaults into a validated TrainConfig."""
+    """Merge flags, environment, .env and defaults into a validated TrainConfig (the built-in loop's)."""
     args = build_parser().parse_args(argv)
-    env_file = args.env_file or DEFAULT_ENV_FILE
-    dotenv = _read_dotenv(env_file, named=args.env_file is not None)
+    flags = {f.name: (getattr(args, f.name), flag_name(f.name)) for f in OPTIONS if getattr(args, f.name) is not None}
+    return _merged(flags, environ, args.env_file, world_size)
+
+
+def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], world_size: int) -> TrainConfig:
+    """What a script's trainer.api.Run(**overrides) runs with: its keyword arguments, then the TRAIN_* environment
+    and .env, then the defaults; the same settings as the built-in loop's, checked by the same code, and a
+    mistake in one names the keyword argument (checkpoint_every) where the script gave it. None: not given."""
+    names = [f.name for f in OPTIONS]
+    given = {}
+    for name, value in overrides.items():
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(f"Run({name}=...)", "is not a setting", f"{hint}`trainer --help` lists them, "
+                             "as flags (--checkpoint-every is checkpoint_every)")
+        if value is not None:
+            given[name] = (str(value) if not isinstance(value, bool) else str(value).lower(), name)
+    return _merged(given, environ, None, world_size)
+
+
+def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], env_file_named: str | None,
+            world_size: int) -> TrainConfig:
+    """given: {option: (raw value, the setting's name for errors)}, which win over the environment and .env."""
+    env_file = env_file_named or DEFAULT_ENV_FILE
+    dotenv = _read_dotenv(env_file, named=env_file_named is not None)
     _reject_unknown_names(environ, "the environment")
     _reject_unknown_names(dotenv, env_file)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}  # option -> the setting the user wrote, for error messages
     for f in OPTIONS:
-        flag_value = getattr(args, f.name)
-        if flag_value is not None:
-            raw, setting = flag_value, flag_name(f.name)
+        if f.name in given:
+            raw, setting = given[f.name]
         elif env_name(f.name) in environ:
             raw, setting = environ[env_name(f.name)], env_name(f.name)
         elif env_name(f.name) in dotenv:

@@ -66,3 +66,7 @@ def exit_on_usage_error():
                 sys.stderr.write(err.user_traceback)
             print_error(str(err))
         raise SystemExit(USAGE_EXIT_CODE) from None
+
+
+class Diverged(Exception):
+    """The weights hold NaN or inf: the run stops and does not commit them (one line, exit 1)."""

@@ -273,6 +273,19 @@ class _KeyedOrder(Sampler):
         return len(self.indices)
 
 
+class Sized:
+    """An iterator that knows its length."""
+
+    def __init__(self, iterator: Iterator, length: int):
+        self.iterator, self.length = iterator, length
+
+    def __iter__(self) -> Iterator:
+        return self.iterator
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class Batches:
     """One rank's batches of one split, on the training device, normalised and augmented."""
 
@@ -312,10 +325,14 @@ class Batches:
             return list(range(self.ctx.rank, self.size, self.ctx.world_size))
         return epoch_shard(self.size, self.ctx.rank, self.ctx.world_size, self.seed, epoch)
 
-    def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> Iterator:
-        """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels)."""
+    def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> "Sized":
+        """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels); len() is
+        their count (run.steps() knows the epoch's last step by it)."""
         stop_batch = self.num_batches if stop_batch is None else stop_batch
         indices = batch_range(self._shard(epoch), self.batch_size, start_batch, stop_batch)
+        return Sized(self._batches(epoch, indices), -(-len(indices) // self.batch_size))
+
+    def _batches(self, epoch: int, indices: list[int]) -> Iterator:
         if self.memory is not None:
             order = torch.tensor(indices, dtype=torch.long, device=self.device)
             for begin in range(0, len(indices), self.batch_size):

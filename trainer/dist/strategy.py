@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -72,6 +72,17 @@ def local_tensors(model: nn.Module) -> list[torch.Tensor]:
             if t.is_floating_point()]
 
 
+def weights_are_finite(ctx: DistContext, model: nn.Module) -> bool:
+    """Whether every rank's weights and buffers are finite; a collective, so every rank calls it."""
+    from trainer.dist.collectives import all_reduce_sum
+
+    tensors = local_tensors(model)
+    if not tensors:
+        return True
+    bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).sum(dtype=torch.float32).reshape(1)
+    return all_reduce_sum(ctx, bad.to(ctx.device)).item() == 0
+
+
 class Strategy:
     """--strategy ddp, and the interface fsdp shares: wrap the model, skip gradient sync between
     accumulated micro-batches, compile."""
@@ -80,9 +91,10 @@ class Strategy:
         self.cfg, self.ctx, self.blocks = cfg, ctx, blocks
         self.wrapped: nn.Module | None = None
 
-    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format) -> nn.Module:
+    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format,
+             **ddp_options) -> nn.Module:
         """Place the model on the device and return the module the training step calls; the optimizer
-        is built on `model` after this."""
+        is built on `model` after this. ddp_options: DistributedDataParallel's own keyword arguments."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model.to(self.ctx.device, memory_format=memory_format)
@@ -91,7 +103,7 @@ class Strategy:
         if self.ctx.distributed:
             cuda = self.ctx.device.type == "cuda"
             self.wrapped = DDP(model, device_ids=[self.ctx.device.index] if cuda else None,
-                               gradient_as_bucket_view=True)
+                               **{"gradient_as_bucket_view": True, **ddp_options})
             if self.cfg.shm_allreduce:
                 from trainer.dist.shm_allreduce import register_if_usable
 
@@ -116,7 +128,11 @@ class Strategy:
 
 
 class FSDPStrategy(Strategy):
-    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format) -> nn.Module:
+    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format,
+             **ddp_options) -> nn.Module:
+        if ddp_options:
+            raise UsageError("wrap()", f"{', '.join(ddp_options)} are DistributedDataParallel's options, and this "
+                             "run shards the model (strategy fsdp)", "drop them, or use strategy ddp")
         self._checkpoint_activations()
         self.wrapped = model
         if not self.ctx.distributed:
@@ -225,27 +241,26 @@ def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module) -> Strategy:
     return (FSDPStrategy if cfg.strategy == "fsdp" else Strategy)(cfg, ctx, blocks)
 
 
-def evaluation_batches(model: nn.Module, batches, ctx: DistContext) -> Iterator:
-    """Validation batches; under fsdp every forward is a collective, so a rank with fewer batches (the
-    validation shards are not padded) runs forwards of its last batch, unused, until all are done."""
+def evaluation_batches(model: nn.Module, batches: Iterable, count: int, ctx: DistContext) -> Iterator:
+    """Validation batches (`count` of them on this rank); under fsdp every forward is a collective, so a rank
+    with fewer batches (the validation shards are not padded) runs forwards of its last batch, unused, until
+    all are done."""
     if not is_sharded(model):
-        yield from batches.epoch(0)
+        yield from batches
         return
-    import torch
-
     from trainer.dist import collectives
 
-    epoch = iter(batches.epoch(0))
+    epoch = iter(batches)
     last = next(epoch, None)
     # A rank may have no validation batch at all (fewer samples than ranks): it forwards zeros shaped
     # like another rank's inputs, so it still joins every all-gather.
     shape = None if last is None else (tuple(last[0].shape), str(last[0].dtype).removeprefix("torch."))
-    facts = collectives.all_gather_objects(ctx, (batches.num_batches, shape))
+    facts = collectives.all_gather_objects(ctx, (count, shape))
     if last is not None:
         yield last
         for last in epoch:
             yield last
-    missing = max(count for count, _ in facts) - batches.num_batches
+    missing = max(n for n, _ in facts) - count
     if missing > 0:
         if last is not None:
             spare = last[0]

@@ -70,7 +70,7 @@ class Scalars:
 class Progress:
     """A tqdm bar on a terminal; plain periodic lines in container logs."""
 
-    def __init__(self, ctx: DistContext, total_steps: int, start_step: int):
+    def __init__(self, ctx: DistContext, total_steps: int | None, start_step: int):
         self.bar = None
         if ctx.is_main and sys.stderr.isatty():
             from tqdm import tqdm
@@ -80,13 +80,18 @@ class Progress:
         self.enabled = ctx.is_main
         self.last_step = start_step
 
-    def update(self, step: int, epoch: int, loss: float, lr: float, samples_per_s: float) -> None:
+    def update(self, step: int, epoch: int, loss: float | None, lr: float | None, samples_per_s: float) -> None:
+        """loss and lr: None where the run does not know them (a script that logs neither)."""
+        shown = {"loss": f"{loss:.4f}" if loss is not None else None, "lr": f"{lr:.4g}" if lr is not None else None}
         if self.bar is not None:
             self.bar.update(step - self.last_step)
-            self.bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", lr=f"{lr:.3g}", sps=f"{samples_per_s:.0f}")
+            self.bar.set_postfix(epoch=epoch, **{k: v for k, v in shown.items() if v is not None},
+                                 sps=f"{samples_per_s:.0f}")
         elif self.enabled:
-            logging.info("epoch %d step %d/%d loss %.4f lr %.4g %.1f samples/s",
-                         epoch, step, self.total, loss, lr, samples_per_s)
+            of = f"/{self.total}" if self.total is not None else ""
+            parts = " ".join(f"{k} {v}" for k, v in shown.items() if v is not None)
+            logging.info("epoch %d step %d%s %s%.1f samples/s", epoch, step, of, parts + " " if parts else "",
+                         samples_per_s)
         self.last_step = step
 
     def close(self) -> None:

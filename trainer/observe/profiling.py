@@ -19,16 +19,17 @@ log = logging.getLogger("trainer")
 PROFILE_DIR = "profile"
 
 
-def check_window(cfg, total_steps: int) -> None:
-    """Without --max-steps the run's length is known only once the data is: checked then, before any output."""
+def check_window(cfg, total_steps: int | None) -> None:
+    """Without --max-steps the run's length is known only once the data is: checked then, before any output
+    (a script whose length is not known: not checked; a window beyond its end is never reached)."""
     window = profile_window(cfg.profile_steps)
-    if window and window[1] > total_steps:
+    if window and total_steps is not None and window[1] > total_steps:
         raise UsageError("--profile-steps", f"{cfg.profile_steps} ends beyond the run's last step {total_steps}",
                          f"profile steps up to {total_steps}")
 
 
 class StepProfiler:
-    def __init__(self, cfg, ctx, optimizer, total_steps: int, start_step: int):
+    def __init__(self, cfg, ctx, optimizer, total_steps: int | None, start_step: int):
         self.prof = self.hook = None
         window = profile_window(cfg.profile_steps)
         if window is None:

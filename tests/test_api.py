@@ -1,0 +1,199 @@
+"""One engine, two doors: a script on trainer.api gets what the built-in loop has, from the same settings.
+
+Real launcher, real torchrun, gloo; the script is tests/user_code/engine_loop.py, which records the samples
+every rank trains on. Its strategy, trackers, step timing and directories come from TRAIN_* variables only.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from fault_helpers import Launch, launcher_env, wait_until
+from helpers import (
+    REPO,
+    RUN_TIMEOUT_S,
+    assert_usage_error,
+    clean_env,
+    dirs_args,
+    free_port,
+    read_scalars,
+    read_summary,
+    run_trainer,
+    train_ok,
+)
+
+from trainer.checkpoint.sharded import COMMIT_MARKER
+from trainer.checkpoint.store import list_checkpoints
+
+LOOP = REPO / "tests" / "user_code" / "engine_loop.py"
+SAMPLES = 96  # global micro-batches of 8: 12 steps per epoch at any world size
+
+
+def engine_env(root: Path, nproc: int, **extra: str) -> dict[str, str]:
+    return launcher_env(free_port(), NPROC_PER_NODE=str(nproc), TRAIN_STRATEGY="fsdp",
+                        TRAIN_TRACKER="tensorboard,csv", TRAIN_CHECKPOINT_DIR=str(root / "ckpt"),
+                        TRAIN_LOG_DIR=str(root / "runs"), TRAIN_LOG_EVERY="2", **extra)
+
+
+def seen(root: Path, world: int) -> dict[int, list[list[int]]]:
+    """{rank: [micro-batch indices, ...]} of epoch 0, as the ranks of a run at `world` processes recorded them."""
+    out = {}
+    for rank in range(world):
+        path = root / f"seen-rank{rank}-world{world}.txt"
+        lines = path.read_text().splitlines() if path.exists() else []
+        out[rank] = [[int(i) for i in line.split()[1:]] for line in lines if line.split()[0] == "0"]
+    return out
+
+
+def launch(root: Path, nproc: int, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(LOOP), "--out", str(root), *args],
+                          cwd=root, env=clean_env(engine_env(root, nproc, **extra)), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_a_script_under_fsdp_stopped_mid_epoch_resumes_at_one_process_with_every_sample_once(tmp_path):
+    """2 processes, fsdp, trackers and directories from TRAIN_* only: SIGTERM mid-epoch exits 0 with a committed
+    (sharded) checkpoint and summary.json with both ranks' step timing; the run resumed at 1 process trains on
+    the rest of the epoch, so every sample of the epoch is trained on exactly once across the stop."""
+    stopped = Launch([str(LOOP), "--out", str(tmp_path), "--step-seconds", "0.3"], tmp_path, engine_env(tmp_path, 2))
+    try:
+        wait_until(lambda: len(seen(tmp_path, 2)[0]) >= 3, 120, "three steps trained")
+        os.kill(stopped.pid, signal.SIGTERM)
+        assert stopped.wait(60) == 0, stopped.output()[-4000:]
+    finally:
+        if stopped.proc.poll() is None:
+            stopped.stop_everything()
+    committed = list_checkpoints(tmp_path / "ckpt")
+    assert committed and committed[0].is_dir() and (committed[0] / COMMIT_MARKER).is_file(), stopped.output()[-3000:]
+    stop_step = int(committed[0].name.split("-")[1])
+    assert 3 <= stop_step < SAMPLES // 8, stop_step
+    first = seen(tmp_path, 2)
+    assert len(first[0]) == len(first[1]) == stop_step  # both ranks stopped after the same step
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["status"], summary["strategy"], summary["global_step"]) == ("stopped", "fsdp", stop_step)
+    assert [row["rank"] for row in summary["ranks"]] == [0, 1] and summary["ranks"][0]["compute_ms"] > 0, summary
+    assert "Loss/train" in read_scalars(tmp_path / "runs")
+    with open(tmp_path / "runs" / "metrics.csv", newline="") as f:
+        assert {row["tag"] for row in csv.DictReader(f)} >= {"Loss/train", "lr", "time/compute_ms/rank1"}
+
+    resumed = launch(tmp_path, 1)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from {tmp_path / 'ckpt'}/step-{stop_step:08d} (step {stop_step}, epoch 0, batch {stop_step}" \
+        in resumed.stderr
+    second = seen(tmp_path, 1)[0]
+    trained = [i for batch in first[0] + first[1] + second for i in batch]
+    assert sorted(trained) == list(range(SAMPLES))  # every sample once: none replayed, none skipped
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["status"], summary["world_size"], summary["global_step"]) == ("completed", 1, SAMPLES // 8)
+    assert summary["resumed_from_step"] == stop_step and [row["rank"] for row in summary["ranks"]] == [0]
+
+
+SCRIPT = """
+import torch
+from trainer import api
+
+with api.Run({kwargs}) as run:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+{body}
+"""
+
+
+def script(tmp_path: Path, body: str, kwargs: str = "", name: str = "s.py") -> Path:
+    path = tmp_path / name
+    path.write_text(SCRIPT.format(kwargs=kwargs, body=textwrap.indent(textwrap.dedent(body), "    ")))
+    return path
+
+
+def run_script(path: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(path)], cwd=cwd, env=clean_env(env), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("kwargs, env, setting", [
+    ("checkpoint_every=-1", {}, "checkpoint_every: -1 is below 0"),
+    ("", {"TRAIN_KEEP_CHECKPOINTS": "1"}, "TRAIN_KEEP_CHECKPOINTS: 1 is below 2"),
+    ("strategy='zero'", {}, "strategy: unknown value 'zero'"),
+    ("tracker='tensorbored'", {}, "tracker: unknown tracker 'tensorbored'"),
+    ("checkpoint_evry=5", {}, "Run(checkpoint_evry=...): is not a setting (did you mean checkpoint_every?"),
+    ("", {"TRAIN_LOG_EVRY": "5"}, "TRAIN_LOG_EVRY: in the environment is not a training setting"),
+])
+def test_every_setting_run_reads_is_checked_as_the_built_in_loop_checks_it(tmp_path, kwargs, env, setting):
+    result = run_script(script(tmp_path, "pass", kwargs), tmp_path, **env)
+    assert setting in assert_usage_error(result, setting.split(":")[0])
+    assert list(tmp_path.iterdir()) == [tmp_path / "s.py"]  # nothing written
+
+
+@pytest.mark.parametrize("body, first", [
+    ("""
+     for epoch in run.epochs(1):
+         pass
+     """, "error: run.epochs(): called before run.resume(...) (call run.resume(model=..., optimizer=...) first"),
+    ("""
+     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+     run.resume(model=model, optimizer=optimizer)
+     """, "error: resume(): called before run.wrap(model), and strategy fsdp shards the model in place (call "
+         "run.wrap(model) first"),
+    ("""
+     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+     run.wrap(model)
+     run.resume(model=model, optimizer=optimizer)
+     """, "error: resume(): optimizer was built before run.wrap(model): fsdp replaced the model's parameters by "
+         "their shards"),
+])
+def test_wrong_api_use_says_what_to_call_first(tmp_path, body, first):
+    """Asked for in the wrong order, the API's answer is one line naming the call that must come first: a stop
+    before resume(), an fsdp resume before wrap(), an optimizer built before an fsdp wrap()."""
+    path = script(tmp_path, body, "strategy='fsdp'")
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(path)], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and errors[0].startswith(first), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+BUILT_IN_RUN = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--epochs", "1", "--val-every", "0"]
+
+
+def test_a_built_in_checkpoint_resumes_in_a_script_that_registers_what_it_holds(tmp_path):
+    """The built-in loop's checkpoint holds model, optimizer, scheduler and scaler: a script registering a subset
+    of them resumes it (at its step); one registering another name is refused in one line."""
+    train_ok([*BUILT_IN_RUN, *dirs_args(tmp_path)], tmp_path)
+    body = """
+        from trainer.engine.models import build_model
+        from trainer import DataSpec
+        net = build_model("cnn", DataSpec(3, 32, 10))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        print("resumed at", run.resume({names}))
+        """
+    ok = run_script(script(tmp_path, body.format(names="model=net"), "checkpoint_dir="
+                           "'checkpoints', log_dir='runs'", "ok.py"), tmp_path)
+    assert ok.returncode == 0 and "resumed at 8" in ok.stdout, ok.stderr[-3000:]
+    refused = run_script(script(tmp_path, body.format(names="net=net"), "checkpoint_dir='checkpoints', "
+                                "log_dir='runs'", "refused.py"), tmp_path)
+    line = assert_usage_error(refused, "resume")
+    assert "holds model, optimizer, scheduler, scaler; this run resumes net (net missing)" in line
+
+
+def test_a_scripts_checkpoint_resumes_in_the_built_in_loop_only_when_it_holds_what_the_loop_registers(tmp_path):
+    """The reverse door: a script's checkpoint of a model and its optimizer lacks the loop's scheduler and scaler,
+    and is refused in one line naming them; nothing is trained."""
+    body = """
+        run.resume(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        run.save()
+        """
+    done = run_script(script(tmp_path, body, "checkpoint_dir='checkpoints', log_dir='runs'"), tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = run_trainer([*BUILT_IN_RUN, *dirs_args(tmp_path)], tmp_path)
+    line = assert_usage_error(result, "--resume")
+    assert "holds model, optimizer; this run resumes model, optimizer, scheduler, scaler (scheduler, scaler " \
+           "missing)" in line

@@ -1,0 +1,170 @@
+"""The checkpointer: one run's checkpoint directory, what it resumes from, and when it commits.
+
+It owns its cadence (every N optimizer steps, at epoch ends, on a stop, at the end) and its checks: a
+checkpoint counts only once committed, the weights are checked finite on every rank before a commit (rotation
+would otherwise drop the good checkpoints below a diverged one), and every rank waits for the commit before it
+goes on or exits. The built-in loop and scripts on trainer.api commit through it alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.checkpoint import state as ckpt
+from trainer.checkpoint.state import Position, Registered
+from trainer.checkpoint.store import (CheckpointError, checkpoint_path, claim, ensure_output_dir, load_for_resume, save,
+                                      save_sharded)
+from trainer.core.errors import Diverged, UsageError
+from trainer.dist import collectives
+from trainer.dist.context import DistContext
+from trainer.dist.strategy import is_sharded, weights_are_finite
+
+log = logging.getLogger("trainer")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from: where it is, where it stood, and what wrote it."""
+    path: Path
+    step: int
+    epoch: int
+    door: str                 # ckpt.BUILT_IN or ckpt.SCRIPT
+    config: dict | None       # the settings it was written with (None: trainer.api before the one engine)
+    names: tuple[str, ...]    # the objects it holds
+
+
+@dataclass(frozen=True)
+class Labels:
+    """How this run's user names the settings in one-line errors: flags for the built-in loop
+    (--checkpoint-dir), keyword arguments for a script (checkpoint_dir)."""
+    checkpoint_dir: str
+    log_dir: str
+    resume: str
+
+    diverged_fix: str = "lower --lr or lengthen --warmup-steps; with --amp fp16 try bf16"
+
+    @property
+    def fix(self) -> str:
+        return f"use another {self.checkpoint_dir} or {self.resume} never"
+
+
+class Checkpointer:
+    def __init__(self, ctx: DistContext, directory: str, keep: int, every: int, resume: str, sharded: bool,
+                 door: str, labels: Labels):
+        self.ctx, self.directory, self.keep, self.every = ctx, Path(directory), keep, every
+        self.sharded, self.door, self.labels = sharded, door, labels
+        self.objects: Registered | None = None
+        self.last_committed: int | None = None
+        self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
+        self._claimed: list = []
+        self.saved_position: dict[str, int] | None = None  # what the checkpoint resumed from said
+        self.resumed_path: Path | None = None
+        # Read before anything is built: a checkpoint that cannot be resumed fails in seconds, with nothing written.
+        self._found = collectives.on_main_then_share(ctx, self._find(resume))
+
+    def _find(self, resume: str) -> Callable[[], Any]:
+        def find():
+            try:
+                return load_for_resume(self.directory, resume)
+            except UsageError as err:  # the store names the built-in loop's flags
+                setting, problem, fix = err.parts
+                raise UsageError({"--checkpoint-dir": self.labels.checkpoint_dir, "--resume": self.labels.resume}
+                                 .get(setting, setting), problem, fix) from None
+        return find
+
+    @property
+    def resume_point(self) -> ResumePoint | None:
+        if self._found is None:
+            return None
+        state, path = self._found
+        return ResumePoint(path, state["global_step"], state["epoch"], ckpt.door_of(state), state.get("config"),
+                           tuple(ckpt.saved_names(state)))
+
+    def prepare(self, log_dir: str) -> None:
+        """Create the output directories, prove they take files, and take the checkpoint directory for this run
+        (rank 0, which owns the disk; every rank learns the outcome)."""
+        def prepare():
+            ensure_output_dir(str(self.directory), self.labels.checkpoint_dir)
+            ensure_output_dir(log_dir, self.labels.log_dir)
+            try:
+                self._claimed.append(claim(self.directory))
+            except UsageError as err:
+                raise UsageError(self.labels.checkpoint_dir, *err.parts[1:]) from None
+
+        collectives.on_main_then_share(self.ctx, prepare)
+
+    def register(self, objects: dict[str, Any], setting: str) -> Registered:
+        self.objects = Registered(objects, setting)
+        if self.sharded and self.ctx.distributed:
+            self.objects.sharded_pair(setting)  # refused now, not at the first commit
+        return self.objects
+
+    def restore(self) -> Position | None:
+        """Load the registered objects from the checkpoint found at start-up; the position it saved (its batch
+        in its own micro-batches: resized_batch converts it once this run's are known)."""
+        if self._found is None:
+            return None
+        state, path = self._found
+        model = self.objects.model
+        ckpt.restore(self.objects, state, path, model is not None and is_sharded(model), self.labels.resume,
+                     self.labels.fix)
+        ckpt.set_rng_state(self.ctx.device, state["rng"])
+        self._found = None  # the objects hold their own copies now
+        self.last_committed = state["global_step"]
+        self.saved_position = {key: state[key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
+        self.resumed_path = path
+        return Position(state["epoch"], state["batch"], state["global_step"])
+
+    def resized_batch(self, samples_per_batch: int, grad_accum: int) -> int:
+        """The saved position's batch in micro-batches of samples_per_batch (over all ranks)."""
+        return ckpt.resized_batch(self.saved_position, samples_per_batch, grad_accum)
+
+    def due(self, step: int) -> bool:
+        """Whether step N is one the cadence commits (epoch ends, stops and the end are the caller's news)."""
+        return bool(self.every) and step % self.every == 0
+
+    def commit(self, pos: Position, samples_per_batch: int, config: dict[str, Any]) -> None:
+        """Commit a checkpoint of the registered objects at `pos` (every rank calls this)."""
+        if self.objects is None:
+            raise RuntimeError("call run.resume(model=..., optimizer=...) first: it names what a checkpoint holds")
+        for hook in self.before_commit:
+            hook()
+        for model in self.objects.modules.values():
+            if not weights_are_finite(self.ctx, model):
+                raise self.diverged(pos.step)
+        info = ckpt.meta(pos, samples_per_batch, config, self.door, self.objects.names(), self.ctx.device)
+        try:
+            if self.sharded:
+                model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
+                rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
+                path = save_sharded(self.directory, pos.step, model, optimizer, rest, self.ctx, self.keep,
+                                    (model_name, optim_name))
+            else:
+                state = ckpt.snapshot(self.objects, info) if self.ctx.is_main else None
+                path = save(self.directory, pos.step, state, self.keep) if self.ctx.is_main else None
+        except CheckpointError as err:  # the store names the built-in loop's flag
+            raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
+        if self.ctx.is_main:
+            log.info("checkpoint committed: %s", path)
+        self.last_committed = pos.step
+        collectives.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
+
+    def diverged(self, at_step: int) -> Diverged:
+        newest = (f"the newest checkpoint is step {self.last_committed}" if self.last_committed is not None else
+                  "no checkpoint of this run was committed")
+        return Diverged(f"training diverged by step {at_step}: the weights hold NaN or inf and were not committed; "
+                        f"{newest} ({self.labels.diverged_fix})")
+
+    def path_of(self, step: int) -> Path:
+        return checkpoint_path(self.directory, step)
+
+    def close(self) -> None:
+        for lock in self._claimed:
+            lock.close()
+        self._claimed = []
+
+
+__all__ = ["Checkpointer", "CheckpointError", "Labels", "Position", "ResumePoint"]

@@ -1,0 +1,207 @@
+"""What a checkpoint holds, and putting it back: the one checkpoint dict of both doors.
+
+A checkpoint holds, beside its `format`:
+- one entry per object the run registered (`run.resume(model=..., optimizer=...)`; the built-in loop registers
+  model, optimizer, scheduler and scaler), its state_dict() under the name it was registered as;
+- where training stands: `epoch`, `batch` (the next micro-batch of that epoch), `global_step`, and
+  `samples_per_batch` (one micro-batch over all ranks: what lets another world size go on exactly);
+- torch's random state (`rng`), the run's settings (`config`), which door wrote it (`door`: built-in or script)
+  and the names registered (`registered`).
+Under fsdp the model's and the optimizer's tensors are DCP shards (trainer.checkpoint.sharded) and the rest is
+the directory's state file; `param_groups` is the optimizer's there.
+
+Checkpoints written before this layout resume too: the built-in loop's had the same top-level names (without
+`door` and `registered`); trainer.api's held the objects' states in one `objects` dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from trainer.core.errors import UsageError, first_line
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # the "format" key of every checkpoint this trainer writes
+BUILT_IN, SCRIPT = "built-in", "script"  # the "door" key: python -m trainer, or a script on trainer.api
+BUILT_IN_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # what the built-in loop registers
+# Keys of the checkpoint itself: no registered object may take these names.
+RESERVED = ("format", "epoch", "batch", "global_step", "samples_per_batch", "rng", "config", "door", "registered",
+            "objects", "param_groups")
+
+
+@dataclass
+class Position:
+    """Where training stands: `step` optimizer steps done, and the next micro-batch is `batch` of `epoch`."""
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+
+
+def saved_names(state: dict[str, Any]) -> list[str]:
+    """The names of the objects a checkpoint holds."""
+    if isinstance(state.get("objects"), dict):  # trainer.api before the one engine
+        return list(state["objects"])
+    if "registered" in state:
+        return list(state["registered"])
+    return [name for name in BUILT_IN_OBJECTS if name in state or name in ("model", "optimizer")]
+
+
+def saved_object(state: dict[str, Any], name: str) -> Any:
+    return state["objects"][name] if isinstance(state.get("objects"), dict) else state[name]
+
+
+def door_of(state: dict[str, Any]) -> str:
+    if isinstance(state.get("objects"), dict):
+        return SCRIPT
+    return state.get("door", BUILT_IN)
+
+
+class Registered:
+    """The objects a run checkpoints, by name: anything with state_dict() and load_state_dict() (a model, its
+    optimizer, an LR scheduler, a GradScaler, an object of the user's own)."""
+
+    def __init__(self, objects: dict[str, Any], setting: str = "resume()"):
+        if not objects:
+            raise UsageError(setting, "names nothing to checkpoint", "register the objects, e.g. "
+                             "run.resume(model=model, optimizer=optimizer)")
+        for name, obj in objects.items():
+            if name in RESERVED:
+                raise UsageError(setting, f"'{name}' is a name the checkpoint itself uses",
+                                 f"register it under another name (not {', '.join(RESERVED)})")
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise UsageError(setting, f"{name} is a {type(obj).__name__}, which has no state_dict() and "
+                                 "load_state_dict()", "register models, optimizers, schedulers and objects that have both")
+        self.objects = dict(objects)
+        self.modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)}
+        self.optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model, where exactly one module is registered."""
+        return next(iter(self.modules.values())) if len(self.modules) == 1 else None
+
+    def sharded_pair(self, setting: str) -> tuple[str, torch.nn.Module, str | None, torch.optim.Optimizer | None]:
+        """(model name, model, optimizer name, optimizer): what goes into DCP shards under fsdp."""
+        if len(self.modules) != 1 or len(self.optimizers) > 1:
+            raise UsageError(setting, f"fsdp checkpoints one model and at most one optimizer; this run registers "
+                             f"{len(self.modules)} modules and {len(self.optimizers)} optimizers",
+                             "register the wrapped model and its optimizer (other objects are fine), or use "
+                             "strategy ddp")
+        (model_name, model), = self.modules.items()
+        optim_name, optimizer = next(iter(self.optimizers.items()), (None, None))
+        return model_name, model, optim_name, optimizer
+
+    def names(self) -> list[str]:
+        return list(self.objects)
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """torch's random state (dropout, random augmentation in user code): a resumed run draws what the
+    uninterrupted run would have drawn."""
+    cuda = device.type == "cuda"
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if cuda else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(device: torch.device, rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and rng["cuda"].numel():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def meta(pos: Position, samples_per_batch: int, config: dict[str, Any], door: str, names: list[str],
+         device: torch.device) -> dict[str, Any]:
+    """Everything a checkpoint holds besides the registered objects."""
+    return {"format": FORMAT, "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
+            "samples_per_batch": samples_per_batch, "config": config, "door": door, "registered": names,
+            "rng": rng_state(device)}
+
+
+def snapshot(objects: Registered, info: dict[str, Any], skip: tuple[str | None, ...] = ()) -> dict[str, Any]:
+    """The whole checkpoint dict (skip: names whose tensors go elsewhere: fsdp's DCP shards)."""
+    return {**{name: obj.state_dict() for name, obj in objects.objects.items() if name not in skip}, **info}
+
+
+def restore(objects: Registered, state: dict[str, Any], path: Path, is_sharded: bool, setting: str, fix: str) -> None:
+    """Load every registered object from a checkpoint (state: its dict, or a sharded directory's state file).
+    A checkpoint that lacks one of them, or does not fit it, is one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import sharded
+
+    missing = [name for name in objects.names() if name not in saved_names(state)]
+    if missing:
+        raise UsageError(setting, f"{path} holds {', '.join(saved_names(state)) or 'no objects'}; this run resumes "
+                         f"{', '.join(objects.names())} ({', '.join(missing)} missing)", fix)
+    current, done = None, set()
+    try:
+        if path.is_dir() or is_sharded:  # DCP reshards a directory for this world size and strategy
+            model_name, model, optim_name, optimizer = objects.sharded_pair(setting)
+            current, done = model_name, {model_name, optim_name}
+            if path.is_dir():
+                sharded.load_into(model, optimizer, path, state.get("param_groups", []), kernels_kept,
+                                  (model_name, optim_name))
+            else:  # a strategy ddp file into an fsdp run: converted, each rank its shard
+                sharded.load_full_into(model, optimizer, saved_object(state, model_name),
+                                       saved_object(state, optim_name) if optimizer is not None else None,
+                                       kernels_kept)
+        for name, obj in objects.objects.items():
+            if name not in done:
+                current = name
+                load_object(obj, saved_object(state, name))
+    except (RuntimeError, ValueError, KeyError, TypeError, CheckpointException) as err:
+        what = "model" if current is None or current in objects.modules else current
+        raise UsageError(setting, f"{path} does not fit this {what} ({first_line(err)})", fix) from None
+
+
+def load_object(obj: Any, saved: Any) -> None:
+    if isinstance(obj, torch.optim.Optimizer):
+        with kernels_kept(obj):
+            obj.load_state_dict(saved)
+    elif isinstance(obj, torch.amp.GradScaler):
+        load_scaler_state(obj, saved)
+    else:
+        obj.load_state_dict(saved)
+
+
+@contextlib.contextmanager
+def kernels_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Loading saved hyper-parameters and state keeps this run's kernel choice: load_state_dict would
+    take `fused` from the checkpoint, so an fp16 run resumed from an fp32 or bf16 checkpoint would
+    switch back to fused SGD, and an fsdp run resumed from a ddp one to fused kernels (see build_optimizer)."""
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    yield
+    for group, chosen in zip(optimizer.param_groups, kernels):
+        group.update(chosen)
+
+
+def load_scaler_state(scaler: torch.amp.GradScaler, saved: dict) -> None:
+    """fp16's loss scale from the checkpoint; a checkpoint of an fp32 or bf16 run has none (an empty
+    dict, which GradScaler.load_state_dict refuses), so an fp16 run resumed from it starts afresh."""
+    if saved or not scaler.is_enabled():
+        scaler.load_state_dict(saved)
+    else:
+        log.info("the checkpoint has no fp16 loss scale (it was not an fp16 run): starting at %g", scaler.get_scale())
+
+
+def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
+    """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
+    samples over all ranks. Every world size reads one global order per epoch (sampling.epoch_shard:
+    global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact whenever the
+    samples already seen fill whole steps of the new size: always when the global batch is unchanged."""
+    batch = state["batch"]
+    if state["samples_per_batch"] != samples_per_batch:
+        seen = state["batch"] * state["samples_per_batch"]
+        batch = seen // samples_per_batch
+        batch -= batch % grad_accum
+        if batch * samples_per_batch != seen:
+            log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
+                        "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
+    return batch

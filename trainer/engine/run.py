@@ -1,0 +1,581 @@
+"""Run: one process's part in a training run, as pieces a loop calls (trainer.api documents it for users).
+
+The built-in loop (trainer.engine.loop) is one user of these pieces; a user's script is another, with the same
+capabilities and no private path between them. The pieces own their cadence: the checkpointer decides when to
+commit (and checks the weights first), the observers when to log, the stop vote when every rank stops.
+
+    with Run() as run:                                   # settings: TRAIN_* and .env; keyword arguments win
+        model = run.wrap(build_model())                  # ddp or fsdp, channels_last, compile, checkpointing
+        optimizer = torch.optim.AdamW(model.parameters())  # after wrap(): fsdp shards the parameters in place
+        run.resume(model=model, optimizer=optimizer)     # the newest valid checkpoint, at any world size
+        loader = DataLoader(data, batch_size=B, sampler=run.sampler(data, B), drop_last=True)
+        for epoch in run.epochs():
+            for micro_batches in run.steps(loader):      # one optimizer step each; ends on a stop
+                for x, y in micro_batches:               # --grad-accum of them, no gradient sync but the last
+                    with run.autocast():
+                        loss = loss_fn(model(x), y)
+                    run.backward(loss)
+                run.optimizer_step(optimizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Iterator
+
+from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
+from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position
+from trainer.checkpoint.store import CheckpointError
+from trainer.cluster.supervisor import stop_host_agent
+from trainer.cluster.topology import WORKER, Topology, resolve
+from trainer.cluster.versions import check_same_versions, version_fingerprint
+from trainer.config.settings import TrainConfig, check_gpu_options, flag_name, script_settings
+from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
+from trainer.data.sampling import ResumableSampler
+from trainer.dist import collectives
+from trainer.dist.collectives import MainRankFailed
+from trainer.dist.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
+from trainer.dist.stop import GracefulStop, StopVote
+from trainer.dist.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
+from trainer.observe.metrics import setup_logging
+from trainer.observe.observers import Observers
+
+log = logging.getLogger("trainer")
+RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed)  # one line and exit 1: the run's own failures
+
+
+class Run:
+    """One process's part in a distributed training run (see the module's docstring and README's table)."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike | None = None, log_dir: str | os.PathLike | None = None, *,
+                 config: TrainConfig | None = None, started: float | None = None, **settings: Any):
+        """Settings: keyword arguments (any TRAIN_* setting by its lower-case name: strategy="fsdp",
+        tracker="tensorboard,csv", amp="bf16", checkpoint_every=100, ...) win over the TRAIN_* environment and
+        .env, as the built-in loop's flags do; None: not given. `config`: settings already resolved (the built-in
+        loop passes its flags' TrainConfig: errors then name the flags, and its checkpoints say so)."""
+        self.started = time.perf_counter() if started is None else started
+        self.door = BUILT_IN if config is not None else SCRIPT
+        with exit_on_usage_error():
+            topology = resolve(os.environ, WORKER)
+            if config is None:
+                config = script_settings({"checkpoint_dir": checkpoint_dir, "log_dir": log_dir, **settings},
+                                         os.environ, topology.world_size)
+        self.ctx = self._join(topology, config, self._label("collective_timeout"))
+        try:
+            if self.door == BUILT_IN or not logging.getLogger().handlers:  # a script's own logging setup stays
+                setup_logging(self.ctx)
+            with exit_on_usage_error():
+                self.settings = self._for_this_device(config)
+                check_same_software(self.ctx)
+                labels = Labels(self._label("checkpoint_dir"), self._label("log_dir"), self._label("resume"))
+                if self.door == SCRIPT:
+                    labels = replace(labels, diverged_fix="lower the learning rate or lengthen its warm-up; with "
+                                                          "amp fp16 try bf16")
+                self.checkpointer = Checkpointer(self.ctx, self.settings.checkpoint_dir,
+                                                 self.settings.keep_checkpoints, self.settings.checkpoint_every,
+                                                 self.settings.resume, self.settings.strategy == "fsdp", self.door,
+                                                 labels)
+        except BaseException:
+            teardown(self.ctx)
+            raise
+        import torch
+
+        self.observers = Observers(self.settings, self.ctx, self.started)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.settings.amp == "fp16")
+        self.strategy: Strategy | None = None
+        self.position = Position()
+        self.stopped = False
+        self.resumed_from: int | None = None
+        self._model = self._wrapped = self._local_sgd = None
+        self._optimizers: list = []
+        self._sampler: ResumableSampler | None = None
+        self._batch_size: int | None = self.settings.batch_size if self.door == BUILT_IN else None
+        self._names = (self.settings.model, self.settings.dataset) if self.door == BUILT_IN else (None, None)
+        self._steps_per_epoch: int | None = None
+        self._epochs: int | None = None
+        self._stop: GracefulStop | None = None
+        self._vote = StopVote(self.ctx)
+        self._training = False   # epochs(), steps() or step() has begun
+        self._ended = False      # the last step (max_steps, or the planned total) is done
+        self._epoch_start = time.perf_counter()
+        self._ended_mid_epoch = False
+        self._finished: int | None = None
+
+    # ------------------------------------------------------------------ joining
+    def _label(self, name: str) -> str:
+        """A setting as this run's user wrote it: a flag (--collective-timeout) for the built-in loop, a keyword
+        argument (collective_timeout) for a script."""
+        return flag_name(name) if self.door == BUILT_IN else name
+
+    @staticmethod
+    def _join(topology: Topology, config: TrainConfig, timeout_setting: str) -> DistContext:
+        try:
+            with exit_on_usage_error():
+                return setup(topology, config.backend, config.collective_timeout)
+        except SystemExit:
+            raise
+        except Exception as err:
+            message = rendezvous_failure(topology, err, timeout_setting, config.collective_timeout)
+            if message is None:
+                raise
+            print_error(message)
+            raise SystemExit(1) from None
+
+    def _for_this_device(self, config: TrainConfig) -> TrainConfig:
+        """amp as this device runs it, decided once (the optimizer and the checkpoint follow it)."""
+        import torch
+
+        cuda = self.ctx.device.type == "cuda"
+        check_gpu_options(config.backend, config.sync_bn, cuda, self.ctx.world_size)
+        if cuda or config.amp == "off":
+            return config
+        amp = self._label("amp")
+        if config.amp == "fp16":  # its loss scaler is CUDA's
+            log.warning("%s fp16 applies to CUDA only; training in fp32 on the CPU (%s bf16 works on CPUs)", amp, amp)
+            return replace(config, amp="off")
+        if not cpu_has_bf16(torch):
+            log.warning("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): %s bf16 will likely be "
+                        "slower than fp32 here", amp)
+        return config
+
+    # ------------------------------------------------------------------ who does what
+    rank = property(lambda self: self.ctx.rank)
+    local_rank = property(lambda self: self.ctx.topology.local_rank)
+    world_size = property(lambda self: self.ctx.world_size)
+    device = property(lambda self: self.ctx.device)
+    is_main = property(lambda self: self.ctx.is_main)
+    is_local_main = property(lambda self: self.ctx.is_local_main)
+    distributed = property(lambda self: self.ctx.distributed)
+    step_count = property(lambda self: self.position.step)
+    epoch = property(lambda self: self.position.epoch)
+
+    def barrier(self) -> None:
+        collectives.barrier(self.ctx)
+
+    def main_process_first(self):
+        return collectives.main_first(self.ctx)
+
+    def local_main_process_first(self):
+        return collectives.local_main_first(self.ctx)
+
+    def main_process_only(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def on_rank_0(*args, **kwargs):
+            return fn(*args, **kwargs) if self.is_main else None
+        return on_rank_0
+
+    def all_or_none(self, fn: Callable[[], Any]) -> Any:
+        """Every rank runs fn; a mistake on any rank (a UsageError) stops every rank with that one line, instead
+        of the others going on into a collective that never completes."""
+        with exit_on_usage_error():
+            return collectives.all_or_none(self.ctx, fn)
+
+    # ------------------------------------------------------------------ the model
+    def wrap(self, model, **ddp_options):
+        """The model on this rank's device, spread by the strategy setting (ddp: DistributedDataParallel; fsdp:
+        sharded in place, so build the optimizer after this), with activation_checkpointing, channels_last,
+        sync_bn, compile and local_sgd_period applied. Returns what the training step calls."""
+        import torch
+
+        cfg = self.settings
+        self._model_name = type(model).__name__  # fsdp renames the class (FSDPSequential)
+        with exit_on_usage_error():
+            self.strategy = for_run(cfg, self.ctx, model)
+            if cfg.sync_bn and self.distributed:
+                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+            self._wrapped = self.strategy.wrap(model, memory_format, **ddp_options)
+        self._model = model
+        if self._names[0] is None:
+            self._names = (self._model_name, self._names[1])
+        forward = self._wrapped
+        if self.distributed and cfg.local_sgd_period:
+            forward = self._periodic_averaging().forward
+        return self.strategy.compiled(forward)
+
+    def _periodic_averaging(self):
+        from trainer.dist.local_sgd import PeriodicAveraging
+        from trainer.engine.optim import warmup_length
+
+        total = self.total_steps
+        with exit_on_usage_error():
+            if total is None and self.settings.warmup_steps < 0:
+                raise UsageError("local_sgd_period", "starts after the LR warm-up, whose length follows the run's "
+                                 "(unknown here)", "call run.plan(steps_per_epoch, epochs) before run.wrap(), or "
+                                 "give warmup_steps")
+        self._local_sgd = PeriodicAveraging(self.ctx, self._wrapped, None, self.settings.local_sgd_period,
+                                            warmup_length(self.settings, total or 0), self.position.step)
+        return self._local_sgd
+
+    def autocast(self):
+        """The amp setting's autocast (bf16 or fp16) around a forward pass; nothing with amp off."""
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.settings.amp)
+        return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def backward(self, loss) -> None:
+        """A micro-batch's backward pass: scaled for fp16, divided by grad_accum, its loss kept for Loss/train."""
+        self.observers.record_loss(loss)
+        self.scaler.scale(loss / self.settings.grad_accum).backward()
+
+    def optimizer_step(self, optimizer, scheduler=None) -> None:
+        """The optimizer step (through fp16's loss scaler), gradients cleared, the LR schedule advanced."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+
+    def no_sync(self, last_micro_batch: bool):
+        """Around a micro-batch's forward and backward when you accumulate by hand: no gradient exchange unless it
+        is the step's last (run.steps() does this for you)."""
+        return self.strategy.no_sync(last_micro_batch) if self.strategy is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the data order
+    def sampler(self, dataset_or_size, batch_size: int, seed: int | None = None) -> ResumableSampler:
+        """This rank's shard of each epoch, in the built-in loop's order, from the next unseen batch on a resume;
+        give DataLoader the same batch_size and drop_last=True."""
+        size = dataset_or_size if isinstance(dataset_or_size, int) else len(dataset_or_size)
+        with exit_on_usage_error():
+            if size // self.world_size < batch_size:
+                raise UsageError("batch_size", f"{size} samples over {self.world_size} processes make no batch of "
+                                 f"{batch_size}", "use a smaller batch_size or more data")
+        self._sampler = ResumableSampler(size, batch_size, self.rank, self.world_size,
+                                         self.settings.seed if seed is None else seed)
+        self._batch_size = batch_size
+        self._resize_position()
+        if self.door == SCRIPT and not isinstance(dataset_or_size, int):
+            self._names = (self._names[0], type(dataset_or_size).__name__)
+        self.plan(self._sampler.batches_per_epoch // self.settings.grad_accum)
+        return self._sampler
+
+    def plan(self, steps_per_epoch: int, epochs: int | None = None) -> int | None:
+        """The run's length: optimizer steps per epoch (and epochs, else the epochs setting or run.epochs(N)).
+        The progress bar, the LR warm-up of local SGD and the profiler's window check use it; returns the
+        total steps (max_steps caps it)."""
+        self._steps_per_epoch = steps_per_epoch
+        if epochs is not None:
+            self._epochs = epochs
+        from trainer.observe.profiling import check_window
+
+        with exit_on_usage_error():
+            check_window(self.settings, self.total_steps)
+        return self.total_steps
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's optimizer steps, where known (max_steps caps them)."""
+        epochs = self._epochs if self._epochs is not None else self.settings.epochs
+        planned = self._steps_per_epoch * epochs if self._steps_per_epoch is not None else None
+        if self.settings.max_steps:
+            return min(planned, self.settings.max_steps) if planned is not None else self.settings.max_steps
+        return planned
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def resume_point(self) -> ResumePoint | None:
+        """The checkpoint this run resumes from (found at start-up), or None."""
+        return self.checkpointer.resume_point
+
+    def resume(self, **objects) -> int:
+        """Register what every checkpoint holds (anything with state_dict()/load_state_dict(): model, optimizer,
+        scheduler, ...) and load it from the newest valid checkpoint; the steps already done. The output
+        directories are made and taken for this run here."""
+        with exit_on_usage_error():
+            if self.settings.amp == "fp16" and "scaler" not in objects and self.scaler.is_enabled():
+                objects["scaler"] = self.scaler
+            self._check_order(objects)
+            self.checkpointer.prepare(self.settings.log_dir)
+            registered = self.checkpointer.register(objects, "resume()")
+            self._optimizers = list(registered.optimizers.values())
+            position = self.checkpointer.restore()
+        if position is not None:
+            self.position = position
+            self.resumed_from = position.step
+            self._resize_position()
+        self.observers.start(self.position.step, resumed=position is not None)
+        if self._local_sgd is not None:
+            self._local_sgd.optimizer = self._optimizers[0] if self._optimizers else None
+            self._local_sgd.step = self.position.step
+            self.checkpointer.before_commit.append(self._local_sgd.synchronise)
+        return self.position.step
+
+    def _check_order(self, objects: dict[str, Any]) -> None:
+        import torch
+
+        if not isinstance(self.strategy, FSDPStrategy) and not (self.settings.strategy == "fsdp" and self.distributed):
+            return
+        if self.strategy is None:
+            raise UsageError("resume()", "called before run.wrap(model), and strategy fsdp shards the model in place",
+                             "call run.wrap(model) first, then build the optimizer, then run.resume(...)")
+        if not is_sharded(self._model):
+            return
+        held = {id(p) for p in self._model.parameters()}
+        for name, obj in objects.items():
+            if isinstance(obj, torch.optim.Optimizer) and any(id(p) not in held for g in obj.param_groups
+                                                             for p in g["params"]):
+                raise UsageError("resume()", f"{name} was built before run.wrap(model): fsdp replaced the model's "
+                                 "parameters by their shards, so it would train copies nobody uses",
+                                 "build the optimizer after run.wrap(model)")
+
+    def _resize_position(self) -> None:
+        """The checkpoint's position in this run's micro-batches, once their size is known (the built-in loop's
+        from the start, a script's from run.sampler(), which may come after resume())."""
+        saved = self.checkpointer.saved_position
+        if saved is not None and self._batch_size is not None and self.position.step == saved["global_step"]:
+            self.position = replace(self.position, batch=self.checkpointer.resized_batch(
+                self._samples_per_batch(), self.settings.grad_accum))
+            if self._local_sgd is not None:
+                self._local_sgd.step = self.position.step
+
+    def _samples_per_batch(self) -> int:
+        """One micro-batch over all ranks (a checkpoint's position is in micro-batches: this converts it)."""
+        return (self._batch_size or 1) * self.world_size
+
+    def save(self) -> None:
+        """Commit a checkpoint now (every rank calls it)."""
+        with exit_on_usage_error():
+            self._require("run.save()")
+        with self.observers.paused():
+            self.checkpointer.commit(self.position, self._samples_per_batch(), self.settings.as_dict())
+
+    # ------------------------------------------------------------------ the loop
+    def epochs(self, count: int | None = None) -> Iterator[int]:
+        """The epochs left to train (count, else the epochs setting); sets the sampler's epoch and resume batch,
+        and commits a checkpoint at each epoch's end."""
+        if count is not None:
+            self._epochs = count
+        self._start("run.epochs()")
+        count = self._epochs if self._epochs is not None else self.settings.epochs
+        for epoch in range(self.position.epoch, count):
+            if self._ended:
+                return
+            start = self.position.batch if epoch == self.position.epoch else 0
+            self.position = Position(epoch, start, self.position.step)
+            if self._sampler is not None:
+                self._sampler.set_epoch(epoch, start)
+            self._epoch_start = time.perf_counter()
+            yield epoch
+            if self.stopped or self.ended_mid_epoch:
+                return
+            self.position = Position(epoch + 1, 0, self.position.step)
+            self.observers.log(self.position.step, {"time/epoch_s": time.perf_counter() - self._epoch_start})
+            if self.checkpointer.last_committed != self.position.step:  # else that checkpoint says the same
+                self.save()
+
+    def steps(self, batches: Iterable) -> Iterator[Iterator]:
+        """One optimizer step per item: an iterator over its grad_accum micro-batches, each in the strategy's
+        no-sync context but the last. After each step the run counts it, logs, checkpoints and votes on a stop
+        at its cadence; a stop (SIGTERM, Ctrl-C, on any rank) or the last step ends the iteration on every rank
+        at the same step, with a checkpoint committed."""
+        self._start("run.steps()")
+        accum = self.settings.grad_accum
+        length = len(batches) if hasattr(batches, "__len__") else None
+        per_epoch = length // accum if length is not None else None  # a last partial step is dropped
+        source = iter(self.observers.batches(batches))
+        done = 0
+        while not self._ended and (per_epoch is None or done < per_epoch):
+            first = next(source, None)
+            if first is None:
+                return
+            counted = _Counted(first, source, accum, self.no_sync)
+            yield iter(counted)
+            done += 1
+            if self._after_step(counted.micro, counted.samples, epoch_done=per_epoch is not None and
+                                done == per_epoch, scalars={}):
+                return
+
+    def step(self, **scalars) -> bool:
+        """Count an optimizer step you took yourself (once per step, after optimizer.step()): the scalars are
+        logged every log_every steps (rank 0; a tensor's value is read then only), a checkpoint is committed at
+        the checkpoint cadence; True once a stop was requested on any rank (every rank returns True at the same
+        step, after a commit), or max_steps is reached before the epoch's end: leave the loop."""
+        self._start("run.step()")
+        accum = self.settings.grad_accum
+        samples = (self._batch_size or 0) * accum
+        # With the run's sampler the epoch's end is known: its last step ends the loop over the loader by itself.
+        epoch_done = self._sampler is not None and \
+            self.position.batch + accum >= self._sampler.batches_per_epoch // accum * accum
+        ending = self._after_step(accum, samples, epoch_done, scalars)
+        return self.stopped or (ending and not epoch_done)
+
+    def _after_step(self, micro: int, samples: int, epoch_done: bool, scalars: dict[str, Any]) -> bool:
+        pos = self.position
+        self.position = Position(pos.epoch, pos.batch + micro, pos.step + 1)
+        step, total = self.position.step, self.total_steps
+        last = total is not None and step >= total
+        if self._local_sgd is not None:
+            self._local_sgd.after_step(step)
+        lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
+        self.observers.after_step(step, pos.epoch, samples * self.world_size, last, lr, scalars, self._check_weights)
+        stopping = self._vote.vote(self._stop.requested)
+        if stopping or (not epoch_done and (last or self.checkpointer.due(step))):
+            self.save()
+        self.stopped = self.stopped or stopping
+        self._ended = self._ended or last
+        self._ended_mid_epoch = last and not epoch_done
+        return stopping or last
+
+    @property
+    def ended_mid_epoch(self) -> bool:
+        """The run's last step (max_steps) came before its epoch's end."""
+        return self._ended_mid_epoch
+
+    def _check_weights(self, step: int) -> None:
+        for model in self.checkpointer.objects.modules.values():
+            if not weights_are_finite(self.ctx, model):
+                raise self.checkpointer.diverged(step)
+
+    def log(self, **scalars) -> None:
+        """Scalars at the current step, to every tracker (rank 0; TensorBoard tags such as Loss/train)."""
+        self.observers.log(self.position.step, scalars)
+
+    def paused(self):
+        """A block outside training (validation, your own evaluation): not counted in samples/s."""
+        return self.observers.paused()
+
+    def consistent(self) -> None:
+        """Make every rank's model state the same before reading it (local SGD averages; else nothing to do)."""
+        if self._local_sgd is not None:
+            self._local_sgd.synchronise()
+
+    def _require(self, what: str) -> None:
+        if self.checkpointer.objects is None:
+            raise UsageError(what, "called before run.resume(...)", "call run.resume(model=..., optimizer=...) "
+                             "first: it names what a checkpoint holds")
+
+    def _start(self, what: str) -> None:
+        if self._training:
+            return
+        with exit_on_usage_error():
+            self._require(what)
+        self._training = True
+        self._ended_mid_epoch = False
+        if self._stop is None:
+            self._stop = GracefulStop()
+        model = self._model if self._model is not None else self.checkpointer.objects.model
+        if model is not None and self._optimizers:
+            self.observers.attach(model, self._wrapped if self._wrapped is not None else model, self._optimizers[0],
+                                  self.total_steps, self.position.step)
+        if self.resumed_from is not None:
+            log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
+                     self.position.step, self.position.epoch, self.position.batch)
+        names = self._workload_names()
+        steps = "" if self.total_steps is None else f", {self.total_steps} steps" + (
+            f", {self._steps_per_epoch} per epoch" if self._steps_per_epoch is not None else "")
+        log.info("training %s on %s: world size %d (%s, %s), strategy %s%s", names[0], names[1] or "the script's data",
+                 self.world_size, self.ctx.backend, self.device, self.settings.strategy, steps)
+
+    def _workload_names(self) -> tuple[str, str | None]:
+        """(model, dataset) as summary.json names them: the settings' for the built-in loop, the classes' for a
+        script."""
+        model = self._model if self._model is not None else self.checkpointer.objects.model
+        return self._names[0] or type(model).__name__, self._names[1]
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> int:
+        """The end (the with block calls it): the last step committed, summary.json written, the process group
+        left; 0, or 1 when summary.json could not be written."""
+        if self._finished is not None:
+            return self._finished
+        code = 0
+        if self._training:
+            self.stopped = self._vote.finish() or self.stopped  # every rank leaves with no collective in flight
+            if self.checkpointer.last_committed != self.position.step:
+                self.save()
+        if self._stop is not None:
+            self._stop.close()
+        self.observers.close()
+        if self._training:
+            status = "stopped" if self.stopped else "completed"
+            summary = self.observers.summary(status, self.position.step, self.position.epoch,
+                                             self.observers.throughput.samples_per_step, self.resumed_from,
+                                             *self._workload_names())
+            code = 0 if self.observers.write_summary(summary) else 1
+        if self.stopped and self._stop is not None and not self._stop.requested and self.is_local_main \
+                and stop_host_agent(os.environ):
+            log.warning("the stop was requested on another host: stopping this host's launcher too")
+        self._close()
+        self._finished = code
+        return code
+
+    def _close(self) -> None:
+        self.checkpointer.close()
+        teardown(self.ctx)
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            code = self.finish()
+            if code:
+                raise SystemExit(code)
+            return False
+        # No collective now (a peer may be gone); checkpoints stay as they are.
+        self.observers.close()
+        self._close()
+        self._finished = 1
+        if issubclass(exc_type, UsageError):
+            with exit_on_usage_error():
+                raise exc
+        if issubclass(exc_type, RUN_ERRORS):
+            print_error(str(exc))
+            raise SystemExit(1) from None
+        what = collective_failure(exc) if issubclass(exc_type, Exception) else None
+        if what is not None:
+            print_error(f"collective: {what} (a peer rank died or stalled, or the network between hosts broke; see "
+                        f"the other ranks' logs; {self._label('collective_timeout')}, now "
+                        f"{self.settings.collective_timeout:g} s, sets the wait)")
+            raise SystemExit(1) from None
+        return False  # the script's own error: its traceback, then the launcher's line naming the rank
+
+
+class _Counted:
+    """One optimizer step's micro-batches: the first (already fetched) and up to accum - 1 more, each inside the
+    strategy's no-sync context but the last; counts the micro-batches and this rank's samples."""
+
+    def __init__(self, first, source: Iterator, accum: int, no_sync: Callable):
+        self.first, self.source, self.accum, self.no_sync = first, source, accum, no_sync
+        self.micro = self.samples = 0
+
+    def __iter__(self):
+        batch = self.first
+        for index in range(self.accum):
+            if index:
+                batch = next(self.source, None)
+                if batch is None:
+                    return
+            self.micro += 1
+            self.samples += _batch_len(batch)
+            with self.no_sync(index == self.accum - 1):
+                yield batch
+
+
+def _batch_len(batch) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    return len(first) if hasattr(first, "__len__") else 0
+
+
+def check_same_software(ctx: DistContext) -> None:
+    """Mismatched images across hosts fail here, clearly, instead of hanging in a collective."""
+    problem = check_same_versions(collectives.all_gather_objects(ctx, version_fingerprint()))
+    if problem:
+        raise UsageError("image", problem, "run the same trainer image on every host")
+
+
+def cpu_has_bf16(torch) -> bool:
+    """Whether this CPU has bf16 instructions. mkldnn's check is a private op: without it, assume it has them
+    (the warning it feeds is advice, never worth a crash)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True

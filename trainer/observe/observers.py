@@ -1,0 +1,159 @@
+"""The observers of a run: they decide when to log, and write what the user reads.
+
+Every optimizer step they count samples and time (Throughput, StepTiming) and keep the loss on the device.
+Every --log-every steps, and at the last step, they make the loop's one host sync: the loss summed over ranks
+with every rank's timing in the same all-reduce, then the scalars to every tracker (Loss/train, lr,
+throughput/samples_per_s, time/*/rankN) and the progress line. At the end, summary.json. The built-in loop and
+scripts on trainer.api observe through them alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.core.errors import os_reason, print_error
+from trainer.core.files import write_json_atomic
+from trainer.dist.context import DistContext
+from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED, Progress, Scalars, Throughput
+from trainer.observe.profiling import StepProfiler
+from trainer.observe.steptiming import StepTiming
+
+log = logging.getLogger("trainer")
+VALIDATION = ("Loss/val", "acc1/val", "acc5/val")  # kept for summary.json as val_loss, val_acc1, val_acc5
+
+
+class Observers:
+    def __init__(self, settings, ctx: DistContext, started: float):
+        import torch
+
+        self.settings, self.ctx, self.started = settings, ctx, started
+        self.log_every = settings.log_every
+        self.scalars: Scalars | None = None
+        self.progress: Progress | None = None
+        self.timing: StepTiming | None = None
+        self.profiler: StepProfiler | None = None
+        cuda = ctx.device.type == "cuda"
+        self.throughput = Throughput(0, WARMUP_STEPS_EXCLUDED, torch.cuda.synchronize if cuda else lambda: None)
+        self.loss_sum = torch.zeros((), device=ctx.device)  # stays on the device: no per-step host sync
+        self.loss_count = 0
+        self.train_loss: float | None = None
+        self.validation: dict[str, float] = {}
+        self.start_step = 0
+
+    # ---------------------------------------------------------------- set-up, once the run's pieces are known
+    def start(self, start_step: int, resumed: bool) -> None:
+        """The trackers, opened where the run stands: a resumed run drops the events a killed one wrote after
+        its last checkpoint (TensorBoard's purge_step; metrics.csv likewise)."""
+        if self.scalars is None:
+            self.start_step = start_step
+            self.scalars = Scalars(self.ctx, self.settings.log_dir, purge_step=start_step + 1 if resumed else None,
+                                   run=self.settings)
+
+    def attach(self, model, wrapped, optimizer, total_steps: int | None, start_step: int) -> None:
+        """Step timing and the profiler hook the model and the optimizer; the progress bar knows the length."""
+        if self.timing is None:
+            self.timing = StepTiming(self.settings, self.ctx, model, wrapped, optimizer)
+            self.profiler = StepProfiler(self.settings, self.ctx, optimizer, total_steps, start_step)
+            self.progress = Progress(self.ctx, total_steps, start_step)
+
+    def batches(self, batches):
+        """The batch iterator, timed (the time each rank waits for its next batch)."""
+        return self.timing.batches(batches) if self.timing is not None else batches
+
+    # ---------------------------------------------------------------- every step
+    def record_loss(self, loss) -> None:
+        """A micro-batch's loss, kept on the device until the next log."""
+        self.loss_sum += loss.detach().float()
+        self.loss_count += 1
+
+    def after_step(self, step: int, epoch: int, samples: int, last: bool, lr: float | None,
+                   extra: dict[str, Any], check_weights: Callable[[int], None]) -> None:
+        self.throughput.samples_per_step = samples
+        self.throughput.step(last=last)
+        if step == self.start_step + 1:
+            log.info("first step done %.1f s after the worker started", time.perf_counter() - self.started)
+        if step % self.log_every and not last:
+            return
+        if self.timing is not None:
+            summed = self.timing.reduce_loss(self.loss_sum)
+        else:
+            from trainer.dist.collectives import all_reduce_sum
+
+            summed = all_reduce_sum(self.ctx, self.loss_sum).item()
+        values: dict[str, float] = {}
+        if self.loss_count:
+            # The same loss on every rank, so every rank joins the check. A non-finite loss with finite weights
+            # is an fp16 overflow the loss scaler skipped: training goes on.
+            self.train_loss = summed / (self.loss_count * self.ctx.world_size)
+            if not math.isfinite(self.train_loss):
+                check_weights(step)
+            values["Loss/train"] = self.train_loss
+        rate = self.throughput.window_rate()
+        if lr is not None:
+            values["lr"] = lr
+        if samples:
+            values["throughput/samples_per_s"] = rate
+        # A script's own scalars (rank 0's values; a tensor's is read now only), its Loss/train over the run's.
+        values.update({tag: float(value) for tag, value in extra.items()})
+        if "Loss/train" in extra:
+            self.train_loss = float(extra["Loss/train"])
+        if self.timing is not None:
+            values.update(self.timing.scalars())
+        self.log(step, values)
+        if self.progress is not None:
+            self.progress.update(step, epoch, self.train_loss, lr, rate)
+        self.loss_sum.zero_()
+        self.loss_count = 0
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Scalars to every tracker (rank 0) at `step`; validation metrics are kept for summary.json."""
+        values = {tag: float(value) for tag, value in values.items()}
+        self.validation.update({tag: value for tag, value in values.items() if tag in VALIDATION})
+        if self.scalars is None:
+            self.start(step, resumed=False)
+        self.scalars.add(step, **values)
+
+    def paused(self):
+        """Time outside training (validation, checkpoints): not counted in samples/s."""
+        return self.throughput.paused()
+
+    # ---------------------------------------------------------------- the end
+    def close(self) -> None:
+        for part in (self.profiler, self.progress):
+            if part is not None:
+                part.close()
+        self.throughput.sync()
+        if self.scalars is not None:
+            self.scalars.close()
+
+    def summary(self, status: str, step: int, epochs_completed: int, samples_per_step: int, resumed_from: int | None,
+                model: str, dataset: str | None) -> dict[str, Any]:
+        settings, ctx = self.settings, self.ctx
+        return {
+            "status": status, "strategy": settings.strategy, "world_size": ctx.world_size, "backend": ctx.backend,
+            "device": str(ctx.device), "model": model, "dataset": dataset, "global_step": step,
+            "epochs_completed": epochs_completed, "samples_seen": step * samples_per_step,
+            "samples_per_second": self.throughput.samples_per_second(),
+            "wall_seconds": time.perf_counter() - self.started, "train_loss": self.train_loss,
+            "val_loss": self.validation.get("Loss/val"), "val_acc1": self.validation.get("acc1/val"),
+            "val_acc5": self.validation.get("acc5/val"), "resumed_from_step": resumed_from,
+            **(self.timing.summary() if self.timing is not None else {}),
+        }
+
+    def write_summary(self, summary: dict[str, Any]) -> bool:
+        """summary.json in the log directory (rank 0); False, with one line, if it cannot be written."""
+        if not self.ctx.is_main:
+            return True
+        path = Path(self.settings.log_dir) / "summary.json"
+        try:
+            write_json_atomic(path, summary)
+        except OSError as err:
+            print_error(f"--log-dir: cannot write summary.json ({os_reason(err)}) (free space in "
+                        f"{self.settings.log_dir}; the checkpoints are committed)")
+            return False
+        log.info("%s at step %d: %s", summary["status"], summary["global_step"], path)
+        return True
