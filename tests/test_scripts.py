@@ -29,6 +29,7 @@ from helpers import (
     free_port,
     load_checkpoint,
     read_scalars,
+    read_summary,
     srun_task_env,
 )
 from torch.utils.data import DistributedSampler
@@ -293,23 +294,37 @@ def test_sigterm_checkpoints_exits_0_and_the_next_run_resumes_exactly(tmp_path, 
 
 # ------------------------------------------------------------------ examples/, as their READMEs run them
 
-def readme_script() -> str:
-    """The complete trainer.api script the README shows (the python block after its marker)."""
+def readme_script() -> tuple[str, dict[str, str], list[str]]:
+    """The complete trainer.api script the README shows (the python block after its marker), and the command
+    line that runs it (the bash block after that): its TRAIN_* variables and its arguments."""
     text = (REPO / "README.md").read_text()
     block = text.split("<!-- README script: tests/test_scripts.py runs this block -->", 1)[1]
-    return block.split("```python\n", 1)[1].split("\n```", 1)[0]
+    script, rest = block.split("```python\n", 1)[1].split("\n```", 1)
+    command = rest.split("```bash\n", 1)[1].split("\n```", 1)[0].split("#")[0].split()
+    env = dict(word.split("=", 1) for word in command if "=" in word)
+    args = command[command.index("trainer-launch") + 1:]
+    return script, env, args
 
 
 @pytest.mark.slow
 def test_the_readme_script_runs_as_shown_and_resumes_a_finished_run_as_finished(tmp_path):
-    (tmp_path / "train.py").write_text(readme_script())
-    assert 30 <= len(readme_script().splitlines()) <= 45  # the README promises a short script
-    result = launch_ok(["train.py"], tmp_path)
-    assert "epoch 4 done at step 160" in result.stdout  # 4096 samples / 2 ranks / 64: 32 steps per epoch
-    assert checkpoint_steps(tmp_path / "checkpoints") == [100, 128, 160]  # the newest 3 of the epoch ends and step 100
-    again = launch_ok(["train.py"], tmp_path)
-    assert "resuming from checkpoints/step-00000160.pt (step 160, epoch 5, batch 0)" in again.stderr
-    assert "done at step" not in again.stdout and checkpoint_steps(tmp_path / "checkpoints") == [100, 128, 160]
+    """fsdp, two trackers and step timing from the TRAIN_* settings of the README's command line alone."""
+    script, env, args = readme_script()
+    assert 30 <= len(script.splitlines()) <= 45  # the README promises a short script
+    assert env == {"TRAIN_STRATEGY": "fsdp", "TRAIN_TRACKER": "tensorboard,csv"} and args == ["train.py"]
+    (tmp_path / "train.py").write_text(script)
+    result = launch_ok(args, tmp_path, **env)
+    assert "epoch 4 done at step 160: val acc1 " in result.stdout  # 4096 samples / 2 ranks / 64: 32 steps an epoch
+    committed = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert committed == ["step-00000160", "step-00000128", "step-00000096"]  # sharded: directories, newest 3 kept
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["status"], summary["strategy"], summary["world_size"]) == ("completed", "fsdp", 2)
+    assert [row["rank"] for row in summary["ranks"]] == [0, 1] and summary["val_acc1"] is not None
+    assert (tmp_path / "runs" / "metrics.csv").is_file() and "Loss/train" in read_scalars(tmp_path / "runs")
+    again = launch_ok(args, tmp_path, **env)
+    assert "resuming from checkpoints/step-00000160 (step 160, epoch 5, batch 0)" in again.stderr
+    assert "done at step" not in again.stdout
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == committed
 
 
 @pytest.mark.slow

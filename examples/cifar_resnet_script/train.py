@@ -1,8 +1,9 @@
 """ResNet-18 with a new 10-class head on CIFAR-shaped images, as a hand-written DDP script.
 
-The pattern of OCI's distributed-training tutorial (its `train.py`), written on trainer.api: the
-loop is yours; the process group, the resumable sampler, checkpoints with automatic resume, the
-SIGTERM stop and TensorBoard come from the stack. Run it on every local process:
+The pattern of OCI's distributed-training tutorial (its `train.py`), written on trainer.api in its step-by-step
+form (its own backward and optimizer.step(), then run.step()): the loop is yours; the process group, the
+resumable sampler, checkpoints with automatic resume, the SIGTERM stop, TensorBoard, step timing and
+summary.json come from the stack. The TRAIN_* settings apply (TRAIN_TRACKER, TRAIN_CHECKPOINT_DIR, ...). Run it on every local process:
 
     trainer-launch examples/cifar_resnet_script/train.py --epochs 3
     # the same under plain torchrun, Slurm's srun, or as one process:
@@ -35,11 +36,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps (0: at epoch ends only)")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints")
-    parser.add_argument("--log-dir", default="./runs")
+    # Unset: TRAIN_CHECKPOINT_DIR / TRAIN_LOG_DIR (the volumes in the containers), else ./checkpoints and ./runs.
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--log-dir")
     args = parser.parse_args()
 
-    with api.Run(args.checkpoint_dir, args.log_dir, checkpoint_every=args.checkpoint_every) as run:
+    with api.Run(args.checkpoint_dir, args.log_dir, checkpoint_every=args.checkpoint_every, log_every=10) as run:
         train_set, val_set = cifar_shaped(args.samples, seed=1), cifar_shaped(args.samples // 5, seed=2)
         torch.manual_seed(0)  # the same initial weights on every rank
         model = torchvision.models.resnet18(weights=None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+
 MYMODELS = """
 from torch import nn
 
@@ -30,14 +32,12 @@ def build(cfg):
 """
 
 TRAIN = """
-import os
-
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import api
 
-with api.Run(checkpoint_dir=os.environ["TRAIN_CHECKPOINT_DIR"], log_dir=os.environ["TRAIN_LOG_DIR"]) as run:
+with api.Run() as run:  # the directories from TRAIN_CHECKPOINT_DIR and TRAIN_LOG_DIR: the volumes
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 16), torch.randint(0, 2, (512,)))
     model = torch.nn.Linear(16, 2)
@@ -90,3 +90,27 @@ def test_a_training_script_from_src_dir_runs_under_the_launcher(make_project, tm
     assert "my script: 16 steps on 2 processes" in logs, logs[-3000:]
     assert "/workspace/src/train.py" in logs  # the torchrun command the launcher printed
     assert sorted(p.name for p in project.checkpoints.glob("step-*.pt"))[-1] == "step-00000016.pt"
+    assert project.summary()["global_step"] == 16
+
+
+def test_a_script_under_fsdp_writes_its_checkpoints_and_runs_into_the_volumes(make_project, tmp_path):
+    """tests/user_code/engine_loop.py as TRAIN_SCRIPT with the strategy and the trackers from TRAIN_* alone: its
+    sharded checkpoints and its logs land in the volumes, and the summary service tells its truth."""
+    src = source_dir(tmp_path)
+    (src / "engine_loop.py").write_text((REPO / "tests" / "user_code" / "engine_loop.py").read_text())
+    (src / "engine_loop.py").chmod(0o644)
+    project = make_project("engine")
+    project.env.update(SRC_DIR=str(src), TRAIN_SCRIPT="/workspace/src/engine_loop.py", TRAIN_STRATEGY="fsdp",
+                       TRAIN_TRACKER="tensorboard,csv")
+    project.up_attached("trainer-cpu", "summary-cpu")
+    state = project.wait_exit("summary-cpu", timeout=600)
+    logs = project.logs("trainer-cpu")
+    assert project.container("trainer-cpu").attrs["State"]["ExitCode"] == 0, logs[-3000:]
+    committed = sorted(p.name for p in project.checkpoints.glob("step-*") if (p / "COMMITTED").is_file())
+    assert committed and committed[-1] == "step-00000012", logs[-3000:]  # 96 samples, global batch 8
+    summary = project.summary()
+    assert (summary["status"], summary["strategy"], summary["world_size"]) == ("completed", "fsdp", 2)
+    assert [row["rank"] for row in summary["ranks"]] == [0, 1]
+    assert (project.runs / "metrics.csv").is_file() and list(project.runs.glob("events.out.tfevents.*"))
+    assert state["ExitCode"] == 0
+    assert "completed at step 12, world size 2: train loss " in project.logs("summary-cpu")

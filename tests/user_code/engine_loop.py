@@ -5,7 +5,7 @@ iteration, its micro-batches inside).
 Every rank appends the sample indices of each micro-batch it trains on, with the epoch, to
 <out>/seen-rank<R>-world<W>.txt, so a test can tell a replayed or skipped sample from an exact resume.
 
-    trainer-launch tests/user_code/engine_loop.py --out DIR [--epochs 1] [--global-batch 8] [--step-seconds 0]
+    trainer-launch tests/user_code/engine_loop.py [--out DIR] [--epochs 1] [--global-batch 8] [--step-seconds 0]
 """
 
 import argparse
@@ -33,7 +33,7 @@ class Numbered(Dataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default="/tmp", help="where the seen-rank files go")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--global-batch", type=int, default=8, help="samples per micro-batch over all processes")

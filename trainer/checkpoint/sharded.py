@@ -72,17 +72,16 @@ def _reader(directory: Path):
     return SafeReader(str(directory))
 
 
-def _planner(only: str | None = None):
-    """DCP's planner, refusing non-tensor entries; with `only`, the one that builds the state from the
-    index (no model needed), of that top-level key alone."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+def _planner():
+    """DCP's default planner, refusing non-tensor entries."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    class TensorsOnly(_EmptyStateDictLoadPlanner if only else DefaultLoadPlanner):
+    class TensorsOnly(DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             raise ValueError(f"{read_item.dest_index.fqn} is not a tensor (this trainer stores only tensors "
                              "through DCP)")
 
-    return TensorsOnly(keys={only}) if only else TensorsOnly()
+    return TensorsOnly()
 
 
 def missing_parts(directory: Path) -> str | None:
@@ -172,16 +171,20 @@ def _one_process_quietly() -> Iterator[None]:
         yield
 
 
-def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
+def full_model_state(directory: Path, key: str = "model") -> dict[str, torch.Tensor]:
     """The whole model state of a committed directory in this one process, no process group needed
-    (trainer-export)."""
-    # dcp.load would fill a copy of an empty dict; torch's own dcp_to_torch_save calls this one.
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    (trainer-export): tensors shaped as the index says, filled by DCP's public load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    state: dict[str, Any] = {}
+    prefix = f"{key}."
+    entries = read_metadata(directory).state_dict_metadata
+    model = {fqn[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for fqn, meta in entries.items() if fqn.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    state = {key: model}
     with _one_process_quietly():
-        _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(only="model"), no_dist=True)
-    return dict(state["model"])
+        dcp.load(state, storage_reader=_reader(directory), planner=_planner())
+    return state[key]
 
 
 # --------------------------------------------------------------------------------- committing

@@ -23,6 +23,7 @@ import time
 import torch
 
 from trainer.core.errors import first_line
+from trainer.dist.compat import private
 from trainer.dist.collectives import all_gather_objects, barrier
 from trainer.dist.context import DistContext
 
@@ -34,8 +35,14 @@ Handle = tuple  # (pid, fd, storage bytes, offset, numel): where a peer finds a 
 
 
 def share(tensor: torch.Tensor) -> Handle:
-    """Move the tensor's storage into shared memory (its views follow) and say where peers find it."""
-    fd, size = tensor.untyped_storage()._share_fd_cpu_()
+    """Move the tensor's storage into shared memory (its views follow) and say where peers find it.
+    Storage sharing by file descriptor is torch's private API: without it (or with TRAINER_PUBLIC_TORCH_ONLY=1)
+    this raises, and the callers fall back to gloo's collectives."""
+    share_fd = private("UntypedStorage._share_fd_cpu_", lambda: tensor.untyped_storage()._share_fd_cpu_)
+    if share_fd is None or private("UntypedStorage._new_shared_fd_cpu",
+                                   lambda: torch.UntypedStorage._new_shared_fd_cpu) is None:
+        raise RuntimeError("this torch cannot share memory by file descriptor (a private API)")
+    fd, size = share_fd()
     return os.getpid(), fd, size, tensor.storage_offset(), tensor.numel()
 
 

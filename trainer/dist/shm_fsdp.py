@@ -169,7 +169,8 @@ class SharedMemoryReduceScatter(ReduceScatter):
 def register_if_usable(modules: list[nn.Module], ctx: DistContext) -> None:
     """Give every fsdp module of the model (its blocks, then its root) the shared-memory collectives,
     when every rank is a CPU process of this host and all agree (a collective)."""
-    if not all_cpu_on_one_host(ctx):
+    if not all_cpu_on_one_host(ctx) or not all(hasattr(FSDPModule, name) for name in
+                                               ("set_custom_all_gather", "set_custom_reduce_scatter")):
         return
     root = modules[-1]
     in_blocks = {id(p) for module in modules[:-1] for p in module.parameters()}

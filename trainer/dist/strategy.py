@@ -29,6 +29,7 @@ from torch import nn
 
 from trainer.config.settings import TrainConfig
 from trainer.core.errors import UsageError
+from trainer.dist.compat import private
 from trainer.dist.context import DistContext
 
 log = logging.getLogger("trainer")
@@ -111,11 +112,17 @@ class Strategy:
         return self.wrapped
 
     def _checkpoint_activations(self) -> None:
-        if self.cfg.activation_checkpointing:
-            from torch.distributed._composable import checkpoint  # keeps the parameter names
-
-            for block in self.blocks:
+        if not self.cfg.activation_checkpointing:
+            return
+        # The composable checkpoint keeps the parameter names (checkpoints stay interchangeable); its public
+        # fallback recomputes the same forward through torch.utils.checkpoint, names kept too.
+        checkpoint = private("torch.distributed._composable.checkpoint",
+                             lambda: __import__("torch.distributed._composable", fromlist=["checkpoint"]).checkpoint)
+        for block in self.blocks:
+            if checkpoint is not None:
                 checkpoint(block)
+            else:
+                _recompute_in_backward(block)
 
     def no_sync(self, boundary: bool) -> ContextManager:
         """Around a micro-batch's forward and backward: no gradient exchange unless it ends a step."""
@@ -168,9 +175,10 @@ class FSDPStrategy(Strategy):
                         reshard_after_forward=block is not self.blocks[-1])
         fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
         if self.cfg.shm_allreduce:
-            from trainer.dist.shm_fsdp import register_if_usable
-
-            register_if_usable([*self.blocks, model], self.ctx)
+            shm = private("FSDP2's custom collectives (torch.distributed.fsdp._fully_shard._fsdp_api)",
+                          lambda: __import__("trainer.dist.shm_fsdp", fromlist=["register_if_usable"]))
+            if shm is not None:  # else gloo's all-gathers and reduce-scatters
+                shm.register_if_usable([*self.blocks, model], self.ctx)
         return model
 
     def no_sync(self, boundary: bool) -> ContextManager:
@@ -182,6 +190,23 @@ class FSDPStrategy(Strategy):
         if not is_sharded(forward):  # one process: the model is whole, compiled as a whole
             return super().compiled(forward)
         return forward  # the blocks were compiled in wrap()
+
+
+def _recompute_in_backward(block: nn.Module) -> None:
+    """Activation checkpointing through the public torch.utils.checkpoint: the block's forward runs without
+    keeping its activations and again in the backward pass (the instance's forward; its parameters keep their
+    names)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = recomputed
 
 
 NORM_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm,

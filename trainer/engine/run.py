@@ -39,6 +39,7 @@ from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print
 from trainer.data.sampling import ResumableSampler
 from trainer.dist import collectives
 from trainer.dist.collectives import MainRankFailed
+from trainer.dist.compat import private
 from trainer.dist.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
 from trainer.dist.stop import GracefulStop, StopVote
 from trainer.dist.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
@@ -575,7 +576,5 @@ def check_same_software(ctx: DistContext) -> None:
 def cpu_has_bf16(torch) -> bool:
     """Whether this CPU has bf16 instructions. mkldnn's check is a private op: without it, assume it has them
     (the warning it feeds is advice, never worth a crash)."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
+    probe = private("torch.ops.mkldnn._is_mkldnn_bf16_supported", lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported)
+    return probe is None or bool(torch.backends.mkldnn.is_available() and probe())
