@@ -41,15 +41,15 @@ from trainer.config.settings import load_config
 from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error, first_line
 
 REPO = Path(__file__).resolve().parents[1]
-STACKS = ("trainer", "handwritten", "lightning", "container", "baseline", "launcher", "torchrun")
+STACKS = ("trainer", "handwritten", "lightning", "container", "baseline", "launcher", "torchrun", "script")
 DEFAULT_STACKS = ["trainer", "handwritten", "lightning"]
 MODULES = {"trainer": "trainer", "handwritten": "bench.handwritten", "lightning": "bench.lightning_run",
-           "baseline": "trainer"}
+           "baseline": "trainer", "script": "bench.api_script"}
 CLASSIFIER_STACKS = ("handwritten", "lightning", "launcher", "torchrun")  # bench/common.py's classifier loop
-TRAINER_STACKS = ("trainer", "container", "baseline")  # they run this trainer, which writes runs/summary.json
+TRAINER_STACKS = ("trainer", "container", "baseline", "script")  # they write runs/summary.json (Run does)
 # Besides trainer/<peer>: container parity (over bare metal), one setting's effect (over the baseline)
 # and a user's script through trainer-launch (over the same script through plain torchrun).
-RATIOS = [("container", "trainer"), ("trainer", "baseline"), ("launcher", "torchrun")]
+RATIOS = [("container", "trainer"), ("trainer", "baseline"), ("launcher", "torchrun"), ("script", "trainer")]
 CONTAINER_DIR = "/bench"  # where the container sees the run's folder
 
 
@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trainer-args", default="", help="extra trainer options, e.g. '--local-sgd-period 8'")
     parser.add_argument("--baseline-args", default="",
                         help="the baseline stack's trainer options instead, e.g. '--loader dataloader'")
+    parser.add_argument("--baseline-from", type=Path, default=None,
+                        help="a checkout whose trainer the baseline stack runs (git worktree add DIR COMMIT): the "
+                             "trainer before a change against after it")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
     args = parser.parse_args(argv)
     args.nproc = args.nproc or [visible_gpu_count() or 2]  # counted only when needed: it may import torch
@@ -132,11 +135,27 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         return [*runner, "-m", MODULES["handwritten"], *script_flags(args, workdir)]
     command = [*torchrun_command(nproc), "-m", MODULES[stack]]
-    if stack == "trainer":
-        return command + trainer_flags(nproc, args, str(workdir), args.trainer_args)
+    if stack in ("trainer", "script"):  # the script reads the same options as TRAIN_* variables (run_once)
+        return command + (trainer_flags(nproc, args, str(workdir), args.trainer_args) if stack == "trainer" else [])
     if stack == "baseline":
+        if args.baseline_from:  # another checkout's trainer, under plain torchrun (its supervisor may be elsewhere)
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                       "-m", "trainer"]
         return command + trainer_flags(nproc, args, str(workdir), args.baseline_args)
     return command + script_flags(args, workdir)
+
+
+def as_environment(flags: list[str]) -> dict[str, str]:
+    """--max-steps 40 ... as TRAIN_MAX_STEPS=40 ...: how a script on trainer.api is given the same settings."""
+    env, i = {}, 0
+    while i < len(flags):
+        flag, value = flags[i], "true"  # a flag without its value is a boolean one's true
+        i += 1
+        if i < len(flags) and not flags[i].startswith("--"):
+            value, i = flags[i], i + 1
+        if flag != "--env-file":
+            env["TRAIN_" + flag.removeprefix("--").replace("-", "_").upper()] = value
+    return env
 
 
 def script_flags(args: argparse.Namespace, workdir: Path) -> list[str]:
@@ -157,6 +176,8 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}  # the workload is the flags alone
     env.update(OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    if stack == "baseline" and args.baseline_from:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.baseline_from), os.environ.get("PYTHONPATH")]))
     if stack == "launcher":  # the launcher's topology variables, a rendezvous port of its own
         env.update(NNODES="1", NODE_RANK="0", NPROC_PER_NODE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()))
@@ -166,6 +187,8 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
         if stack == "container":  # compose's mounts on host folders: no named volumes left behind per run
             env.update(DATA_DIR=str(workdir), CHECKPOINT_DIR=str(workdir), RUNS_DIR=str(workdir))
         command = stack_command(stack, nproc, args, workdir)
+        if stack == "script":
+            env.update(as_environment(trainer_flags(nproc, args, str(workdir), args.trainer_args)))
         done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
                                                timeout=1800)
         if done.returncode != 0:

@@ -97,8 +97,9 @@ def test_a_script_under_fsdp_writes_its_checkpoints_and_runs_into_the_volumes(ma
     """tests/user_code/engine_loop.py as TRAIN_SCRIPT with the strategy and the trackers from TRAIN_* alone: its
     sharded checkpoints and its logs land in the volumes, and the summary service tells its truth."""
     src = source_dir(tmp_path)
-    (src / "engine_loop.py").write_text((REPO / "tests" / "user_code" / "engine_loop.py").read_text())
-    (src / "engine_loop.py").chmod(0o644)
+    for name in ("engine_loop.py", "numbered.py"):
+        (src / name).write_text((REPO / "tests" / "user_code" / name).read_text())
+        (src / name).chmod(0o644)
     project = make_project("engine")
     project.env.update(SRC_DIR=str(src), TRAIN_SCRIPT="/workspace/src/engine_loop.py", TRAIN_STRATEGY="fsdp",
                        TRAIN_TRACKER="tensorboard,csv")

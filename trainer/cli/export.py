@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error, os_reason
-from trainer.core.files import write_atomic
+from trainer.core.files import replacing
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,7 +73,8 @@ def write(state: dict, out: Path) -> None:
             torch.save(state, path)
 
     try:
-        write_atomic(out, save)
+        with replacing(out) as temp:
+            save(temp)
     except OSError as err:
         raise UsageError("OUT", f"cannot write {out} ({os_reason(err)})", "give a writable path") from None
 

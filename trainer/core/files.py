@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 TEMP_PREFIX = ".tmp-"
 
@@ -43,30 +43,13 @@ def commit(temp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
-    """`with atomic_file(path) as f: f.write(...)`: `path` holds everything written, or stays as it was.
+def replacing(path: Path, durable: bool = True) -> Iterator[Path]:
+    """`with replacing(path) as temp:` write `temp` (any writer that takes a path); on success it replaces `path`
+    (fsynced first, the rename too, when durable), on failure it is removed and `path` stays as it was.
     durable=False skips the fsyncs, for files whose loss in a power cut costs nothing (they are rewritten)."""
     temp = temp_path(path)
     try:
-        with open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
-            yield f
-            if durable:
-                fsync_file(f)
-        if durable:
-            commit(temp, path)
-        else:
-            os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temp.unlink(missing_ok=True)
-        raise
-
-
-def write_atomic(path: Path, write: Callable[[Path], None], durable: bool = True) -> None:
-    """For writers that take a path rather than a file (safetensors' save_file): `write(temp)`, then commit."""
-    temp = temp_path(path)
-    try:
-        write(temp)
+        yield temp
         if durable:
             with open(temp, "rb") as f:
                 os.fsync(f.fileno())
@@ -77,6 +60,13 @@ def write_atomic(path: Path, write: Callable[[Path], None], durable: bool = True
         with contextlib.suppress(OSError):
             temp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
+    """`with atomic_file(path) as f: f.write(...)`: `path` holds everything written, or stays as it was."""
+    with replacing(path, durable) as temp, open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+        yield f
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 2) -> None:
