@@ -1,1 +1,1 @@
-"""Console scripts beside the launcher: trainer-scale, trainer-export, trainer-report."""
+"""Console scripts beside the launcher and the built-in loop: trainer-scale, trainer-export, trainer-report."""

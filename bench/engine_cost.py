@@ -1,0 +1,133 @@
+"""`python -m bench.engine_cost`: what the engine (trainer.api's Run) adds to one optimizer step, in microseconds.
+
+Whole runs compared on this VM carry several % of noise, which hides a cost below 1%. This measures the cost
+itself: in one process, two copies of a small model train in alternating blocks of steps. One goes through a
+bare loop (forward, backward, optimizer step, zero_grad); the other through the engine exactly as the built-in
+loop and a script use it: run.steps() with its micro-batch iterator and no-sync context, run.autocast(),
+run.backward(), run.optimizer_step(), and after every step the engine's bookkeeping (position, throughput, step
+timing, the stop vote, the checkpoint cadence) with the loss reduce, the tracker scalars and the progress line
+every --log-every steps. The model is small so that a step takes about a millisecond: what the engine adds per
+step does not grow with the model, so the difference per step is its cost for any model, to be set against
+that model's step time. It bounds two ratios at once: a script on the API against the built-in loop (the same
+engine), and the built-in loop after the engine against before it (whose own bookkeeping cost at least 0).
+
+    python -m bench.engine_cost --blocks 40 --steps 50
+
+Reported: the median step time of both, the engine's cost per step with a distribution-free 95% interval over the
+block pairs, and that cost as a share of a given step time (--step-ms, e.g. the 2-process ResNet-18 step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.results import RESULTS, describe_machine, now, paired_ratios, write_results
+from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
+
+
+def small_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def bare_block(model, optimizer, batches: list) -> float:
+    """Seconds per step of the bare loop."""
+    import torch
+
+    began = time.perf_counter()
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (time.perf_counter() - began) / len(batches)
+
+
+def engine_block(run, forward, optimizer, batches: list) -> float:
+    """Seconds per step through the engine, as trainer/engine/loop.py and the README's script step."""
+    import torch
+
+    began = time.perf_counter()
+    for micro_batches in run.steps(batches):
+        for x, y in micro_batches:
+            with run.autocast():
+                loss = torch.nn.functional.cross_entropy(forward(x), y)
+            run.backward(loss)
+        run.optimizer_step(optimizer)
+    return (time.perf_counter() - began) / len(batches)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = OneLineErrorParser(prog="python -m bench.engine_cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=40, help="blocks of steps per loop, alternating")
+    parser.add_argument("--steps", type=int, default=50, help="steps per block")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-ms", type=float, default=348.0,
+                        help="a real step's time to express the cost against (default: the 2-process "
+                             "ResNet-18 step of docs/benchmarks.md)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
+    with exit_on_usage_error():
+        args = parser.parse_args(argv)
+        for setting, value in (("--blocks", args.blocks), ("--steps", args.steps), ("--log-every", args.log_every)):
+            if value < 1:
+                raise UsageError(setting, f"{value} is below 1", "give 1 or more")
+    import torch
+
+    from trainer import api
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+               for _ in range(args.steps)]
+    bare = small_model()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "RANK", "WORLD_SIZE"))}
+    os.environ.clear()
+    os.environ.update(environ)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp), \
+            api.Run(log_every=args.log_every, checkpoint_every=0) as run:  # no .env there: the defaults
+        model, optimizer = small_model()
+        forward = run.wrap(model)
+        run.resume(model=model, optimizer=optimizer)
+        bare_block(*bare, batches)  # warm-up: first steps allocate the optimizer state
+        engine_block(run, forward, optimizer, batches)
+        runs = []
+        for block in range(1, args.blocks + 1):
+            for stack in ("engine", "bare"):
+                seconds = engine_block(run, forward, optimizer, batches) if stack == "engine" else \
+                    bare_block(*bare, batches)
+                runs.append({"round": block, "nproc": 1, "stack": stack,
+                             "samples_per_second": 1.0 / seconds})  # steps per second, for paired_ratios
+    step_us = {stack: statistics.median(1e6 / r["samples_per_second"] for r in runs if r["stack"] == stack)
+               for stack in ("engine", "bare")}
+    paired = paired_ratios(runs, 1, "bare", "engine")  # bare's speed over the engine's = their step times' ratio
+    cost_us = {key: (paired[key] - 1.0) * step_us["bare"] for key in ("median", "low", "high")}
+    header = {"command": shlex.join(["python", "-m", "bench.engine_cost", *argv]), "date": now(),
+              "machine": describe_machine()}
+    summary = {"step_us": step_us, "cost_us": cost_us, "paired": paired,
+               "share_of_step": {key: value / (args.step_ms * 1000.0) for key, value in cost_us.items()},
+               "step_ms": args.step_ms}
+    table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
+             f"- step time, median over {args.blocks} blocks of {args.steps} steps: through the engine "
+             f"{step_us['engine']:.1f} us, bare {step_us['bare']:.1f} us\n"
+             f"- the engine's cost per step: {cost_us['median']:.1f} us (95% interval {cost_us['low']:.1f} to "
+             f"{cost_us['high']:.1f} us)\n"
+             f"- against a {args.step_ms:g} ms step: {summary['share_of_step']['median']:.4%} (interval "
+             f"{summary['share_of_step']['low']:.4%} to {summary['share_of_step']['high']:.4%})\n")
+    write_results(args.out, "engine-cost", header, runs, summary, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
