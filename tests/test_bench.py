@@ -127,3 +127,27 @@ def test_bench_timing_cost_alternates_blocks_with_step_timing_on_and_off(tmp_pat
     assert len(result["paired"]["values"]) == 4
     assert result["cost_us"]["low"] <= result["cost_us"]["median"] <= result["cost_us"]["high"]
     assert "step timing's cost per step" in next(tmp_path.glob("timing-cost-*.md")).read_text()
+
+
+@pytest.mark.slow
+def test_bench_runs_the_built_in_workload_as_a_script_on_the_api_beside_the_trainer(tmp_path):
+    """The script door's speed bar's harness: bench/api_script.py (the same work, settings as TRAIN_* variables,
+    its own loop on trainer.api) against `python -m trainer`; both write summary.json through Run."""
+    result = run_bench_pair(tmp_path, ("trainer", "script"), 2, "script/trainer",
+                            ["--steps", "8", "--model", "cnn", "--batch-size", "16", "--trainer-args",
+                             "--grad-accum 2 --channels-last"])
+    assert result["settings"]["stacks"] == ["trainer", "script"]
+
+
+def test_bench_engine_cost_alternates_the_engine_and_a_bare_loop(tmp_path):
+    """The direct measure of what the engine (Run) adds per step, in alternating blocks with a paired interval."""
+    done = subprocess.run([sys.executable, "-m", "bench.engine_cost", "--blocks", "4", "--steps", "20",
+                           "--log-every", "5", "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(tmp_path.glob("engine-cost-*.json")).read_text())
+    assert [(r["round"], r["stack"]) for r in result["runs"]] == [(n, s) for n in (1, 2, 3, 4)
+                                                                 for s in ("engine", "bare")]
+    assert result["step_us"]["engine"] > 0 and result["step_us"]["bare"] > 0
+    assert result["cost_us"]["low"] <= result["cost_us"]["median"] <= result["cost_us"]["high"]
+    assert "the engine's cost per step" in next(tmp_path.glob("engine-cost-*.md")).read_text()
