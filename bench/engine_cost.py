@@ -22,14 +22,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from bench.results import RESULTS, describe_machine, now, paired_ratios, write_results
-from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
+from bench.results import block_cost, check_counts, cost_parser, describe_machine, now, write_results
+from trainer.core.errors import exit_on_usage_error
 
 
 def small_model():
@@ -70,19 +68,11 @@ def engine_block(run, forward, optimizer, batches: list) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = OneLineErrorParser(prog="python -m bench.engine_cost", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=40, help="blocks of steps per loop, alternating")
-    parser.add_argument("--steps", type=int, default=50, help="steps per block")
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--step-ms", type=float, default=348.0,
-                        help="a real step's time to express the cost against (default: the 2-process "
-                             "ResNet-18 step of docs/benchmarks.md)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
+    parser = cost_parser("python -m bench.engine_cost", __doc__.split("\n\n")[0],
+                         "blocks of steps per loop, alternating")
     with exit_on_usage_error():
         args = parser.parse_args(argv)
-        for setting, value in (("--blocks", args.blocks), ("--steps", args.steps), ("--log-every", args.log_every)):
-            if value < 1:
-                raise UsageError(setting, f"{value} is below 1", "give 1 or more")
+        check_counts(args)
     import torch
 
     from trainer import api
@@ -109,15 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                     bare_block(*bare, batches)
                 runs.append({"round": block, "nproc": 1, "stack": stack,
                              "samples_per_second": 1.0 / seconds})  # steps per second, for paired_ratios
-    step_us = {stack: statistics.median(1e6 / r["samples_per_second"] for r in runs if r["stack"] == stack)
-               for stack in ("engine", "bare")}
-    paired = paired_ratios(runs, 1, "bare", "engine")  # bare's speed over the engine's = their step times' ratio
-    cost_us = {key: (paired[key] - 1.0) * step_us["bare"] for key in ("median", "low", "high")}
+    summary = block_cost(runs, "engine", "bare", args.step_ms)
+    step_us, cost_us = summary["step_us"], summary["cost_us"]
     header = {"command": shlex.join(["python", "-m", "bench.engine_cost", *argv]), "date": now(),
               "machine": describe_machine()}
-    summary = {"step_us": step_us, "cost_us": cost_us, "paired": paired,
-               "share_of_step": {key: value / (args.step_ms * 1000.0) for key, value in cost_us.items()},
-               "step_ms": args.step_ms}
     table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
              f"- step time, median over {args.blocks} blocks of {args.steps} steps: through the engine "
              f"{step_us['engine']:.1f} us, bare {step_us['bare']:.1f} us\n"

@@ -54,3 +54,40 @@ def paired_ratios(runs: list[dict], nproc: int, a: str, b: str) -> dict:
     while k + 1 <= count // 2 and below(k + 1) <= 0.025:
         k += 1
     return {"values": values, "median": statistics.median(values), "low": values[k - 1], "high": values[count - k]}
+
+
+# ------------------------------------------------------------------ direct costs (bench.timing_cost, bench.engine_cost)
+
+def cost_parser(prog: str, description: str, blocks_help: str):
+    """The options of a direct cost measurement: alternating blocks of steps of two loops in one process."""
+    from trainer.core.errors import OneLineErrorParser
+
+    parser = OneLineErrorParser(prog=prog, description=description)
+    parser.add_argument("--blocks", type=int, default=40, help=blocks_help)
+    parser.add_argument("--steps", type=int, default=50, help="steps per block")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-ms", type=float, default=348.0,
+                        help="a real step's time to express the cost against (default: the 2-process "
+                             "ResNet-18 step of docs/benchmarks.md's interleaved run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .json results")
+    return parser
+
+
+def check_counts(args) -> None:
+    from trainer.core.errors import UsageError
+
+    for setting, value in (("--blocks", args.blocks), ("--steps", args.steps), ("--log-every", args.log_every)):
+        if value < 1:
+            raise UsageError(setting, f"{value} is below 1", "give 1 or more")
+
+
+def block_cost(runs: list[dict], costly: str, plain: str, step_ms: float) -> dict:
+    """What `costly` adds to `plain`'s step, from their alternating blocks (samples_per_second holds steps per
+    second): both median step times, the cost per step with its paired 95% interval, and its share of a
+    step_ms step."""
+    step_us = {stack: statistics.median(1e6 / r["samples_per_second"] for r in runs if r["stack"] == stack)
+               for stack in (costly, plain)}
+    paired = paired_ratios(runs, 1, plain, costly)  # plain's speed over costly's = their step times' ratio
+    cost_us = {key: (paired[key] - 1.0) * step_us[plain] for key in ("median", "low", "high")}
+    return {"step_us": step_us, "cost_us": cost_us, "paired": paired,
+            "share_of_step": {key: value / (step_ms * 1000.0) for key, value in cost_us.items()}, "step_ms": step_ms}
