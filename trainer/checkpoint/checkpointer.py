@@ -15,8 +15,7 @@ from typing import Any, Callable
 
 from trainer.checkpoint import state as ckpt
 from trainer.checkpoint.state import Position, Registered
-from trainer.checkpoint.store import (CheckpointError, checkpoint_path, claim, ensure_output_dir, load_for_resume, save,
-                                      save_sharded)
+from trainer.checkpoint.store import CheckpointError, claim, ensure_output_dir, load_for_resume, save, save_sharded
 from trainer.core.errors import Diverged, UsageError
 from trainer.dist import collectives
 from trainer.dist.context import DistContext
@@ -157,9 +156,6 @@ class Checkpointer:
                   "no checkpoint of this run was committed")
         return Diverged(f"training diverged by step {at_step}: the weights hold NaN or inf and were not committed; "
                         f"{newest} ({self.labels.diverged_fix})")
-
-    def path_of(self, step: int) -> Path:
-        return checkpoint_path(self.directory, step)
 
     def close(self) -> None:
         for lock in self._claimed:

@@ -387,7 +387,12 @@ class Run:
             first = next(source, None)
             if first is None:
                 return
-            counted = _Counted(first, source, accum, self.no_sync)
+            group = None
+            if per_epoch is None:  # no length: a short last group would skip the gradient sync, so it is dropped
+                group = [first, *(batch for _, batch in zip(range(accum - 1), source))]
+                if len(group) < accum:
+                    return
+            counted = _Counted(first, iter(group[1:]) if group is not None else source, accum, self.no_sync)
             yield iter(counted)
             done += 1
             if self._after_step(counted.micro, counted.samples, epoch_done=per_epoch is not None and
@@ -541,8 +546,8 @@ class Run:
 
 
 class _Counted:
-    """One optimizer step's micro-batches: the first (already fetched) and up to accum - 1 more, each inside the
-    strategy's no-sync context but the last; counts the micro-batches and this rank's samples."""
+    """One optimizer step's micro-batches: the first (already fetched) and up to accum - 1 more from `source`, each
+    inside the strategy's no-sync context but the last; counts the micro-batches and this rank's samples."""
 
     def __init__(self, first, source: Iterator, accum: int, no_sync: Callable):
         self.first, self.source, self.accum, self.no_sync = first, source, accum, no_sync
