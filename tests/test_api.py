@@ -122,7 +122,7 @@ def run_script(path: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess
     ("", {"TRAIN_KEEP_CHECKPOINTS": "1"}, "TRAIN_KEEP_CHECKPOINTS: 1 is below 2"),
     ("strategy='zero'", {}, "strategy: unknown value 'zero'"),
     ("tracker='tensorbored'", {}, "tracker: unknown tracker 'tensorbored'"),
-    ("checkpoint_evry=5", {}, "Run(checkpoint_evry=...): is not a setting (did you mean checkpoint_every?"),
+    ("checkpoint_evry=5", {}, "checkpoint_evry: is not a setting of Run() (did you mean checkpoint_every?"),
     ("", {"TRAIN_LOG_EVRY": "5"}, "TRAIN_LOG_EVRY: in the environment is not a training setting"),
 ])
 def test_every_setting_run_reads_is_checked_as_the_built_in_loop_checks_it(tmp_path, kwargs, env, setting):
@@ -219,3 +219,14 @@ def test_steps_group_micro_batches_and_drop_a_short_last_group(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # 5 batches, 2 per step: two steps from each source (steps done before each one printed), the fifth dropped
     assert result.stdout.split() == " ".join(f"step {n} micro 2" for n in range(4)).split()
+
+
+def test_a_bad_train_setting_for_a_script_is_one_line_from_the_launcher_before_torchrun(tmp_path):
+    """A script on trainer.api reads the TRAIN_* settings, so trainer-launch checks them first, as it checks the
+    built-in loop's: one line, exit 2, no worker started."""
+    path = script(tmp_path, "pass")
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(path)], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port(), TRAIN_STRATEGY="fdsp")), capture_output=True,
+                            text=True, timeout=RUN_TIMEOUT_S)
+    assert "TRAIN_STRATEGY: unknown value 'fdsp' (choose one of ddp, fsdp)" in assert_usage_error(result, "TRAIN_STRATEGY")
+    assert "torchrun" not in result.stderr

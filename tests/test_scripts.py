@@ -321,10 +321,14 @@ def test_the_readme_script_runs_as_shown_and_resumes_a_finished_run_as_finished(
     assert (summary["status"], summary["strategy"], summary["world_size"]) == ("completed", "fsdp", 2)
     assert [row["rank"] for row in summary["ranks"]] == [0, 1] and summary["val_acc1"] is not None
     assert (tmp_path / "runs" / "metrics.csv").is_file() and "Loss/train" in read_scalars(tmp_path / "runs")
+    written = {p.name: p.read_bytes() for p in (tmp_path / "runs").iterdir()}
     again = launch_ok(args, tmp_path, **env)
     assert "resuming from checkpoints/step-00000160 (step 160, epoch 5, batch 0)" in again.stderr
+    assert "nothing to do: checkpoints/step-00000160 is at step 160" in again.stderr
     assert "done at step" not in again.stdout
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == committed
+    # The finished run's results stay as they were: summary.json, metrics.csv, no new event file.
+    assert {p.name: p.read_bytes() for p in (tmp_path / "runs").iterdir()} == written
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ from trainer.config.settings import (
     TrainConfig,
     check_gpu_options,
     load_config,
+    script_settings,
 )
 from trainer.core.errors import UsageError, exit_on_usage_error, first_line, print_error
 
@@ -168,6 +169,9 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
         rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
         command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
     if options is None:
+        # A script on trainer.api reads the same TRAIN_* settings (its keyword arguments win over them): a bad
+        # value fails here in one line, not once per rank after torchrun has started them.
+        script_settings({}, env, world_size=topology.world_size)
         return Launch(command, topology, None)
     if topology.mode == topo.TORCHRUN:
         # The worker's own check, before torchrun starts ranks that would each fail with it.

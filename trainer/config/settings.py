@@ -220,8 +220,8 @@ def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], wo
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise UsageError(f"Run({name}=...)", "is not a setting", f"{hint}`trainer --help` lists them, "
-                             "as flags (--checkpoint-every is checkpoint_every)")
+            raise UsageError(name, "is not a setting of Run()", f"{hint}`trainer --help` lists the settings as "
+                             "flags: --checkpoint-every is checkpoint_every")
         if value is not None:
             given[name] = (str(value) if not isinstance(value, bool) else str(value).lower(), name)
     return _merged(given, environ, None, world_size)

@@ -56,12 +56,13 @@ def print_error(message: str) -> None:
 
 
 @contextlib.contextmanager
-def exit_on_usage_error():
-    """Turn a UsageError into the documented one-line error and exit code 2."""
+def exit_on_usage_error(silent: bool = False):
+    """Turn a UsageError into the documented one-line error and exit code 2. silent: exit 2 without the line (a
+    process whose peer on the same host prints the very same one)."""
     try:
         yield
     except UsageError as err:
-        if not isinstance(err, EchoedUsageError):
+        if not isinstance(err, EchoedUsageError) and not silent:
             if isinstance(err, UserCodeError):
                 sys.stderr.write(err.user_traceback)
             print_error(str(err))

@@ -63,6 +63,8 @@ class Run:
         self.door = BUILT_IN if config is not None else SCRIPT
         with exit_on_usage_error():
             topology = resolve(os.environ, WORKER)
+        # The same settings on every process of a host: its first process says what is wrong, once.
+        with exit_on_usage_error(silent=topology.local_rank != 0):
             if config is None:
                 config = script_settings({"checkpoint_dir": checkpoint_dir, "log_dir": log_dir, **settings},
                                          os.environ, topology.world_size)
@@ -290,12 +292,13 @@ class Run:
         """Register what every checkpoint holds (anything with state_dict()/load_state_dict(): model, optimizer,
         scheduler, ...) and load it from the newest valid checkpoint; the steps already done. The output
         directories are made and taken for this run here."""
-        with exit_on_usage_error():
+        with self._once():
             if self.settings.amp == "fp16" and "scaler" not in objects and self.scaler.is_enabled():
                 objects["scaler"] = self.scaler
             self._check_order(objects)
-            self.checkpointer.prepare(self.settings.log_dir)
             registered = self.checkpointer.register(objects, "resume()")
+        with exit_on_usage_error():
+            self.checkpointer.prepare(self.settings.log_dir)
             self._optimizers = list(registered.optimizers.values())
             position = self.checkpointer.restore()
         if position is not None:
@@ -343,7 +346,7 @@ class Run:
 
     def save(self) -> None:
         """Commit a checkpoint now (every rank calls it)."""
-        with exit_on_usage_error():
+        with self._once():
             self._require("run.save()")
         with self.observers.paused():
             self.checkpointer.commit(self.position, self._samples_per_batch(), self.settings.as_dict())
@@ -453,6 +456,10 @@ class Run:
         if self._local_sgd is not None:
             self._local_sgd.synchronise()
 
+    def _once(self):
+        """A mistake every rank makes alike (the API's order, a setting): one line per host, exit code 2."""
+        return exit_on_usage_error(silent=not self.is_local_main)
+
     def _require(self, what: str) -> None:
         if self.checkpointer.objects is None:
             raise UsageError(what, "called before run.resume(...)", "call run.resume(model=..., optimizer=...) "
@@ -461,7 +468,7 @@ class Run:
     def _start(self, what: str) -> None:
         if self._training:
             return
-        with exit_on_usage_error():
+        with self._once():
             self._require(what)
         self._training = True
         self._ended_mid_epoch = False
@@ -500,7 +507,12 @@ class Run:
         if self._stop is not None:
             self._stop.close()
         self.observers.close()
-        if self._training:
+        if self._training and self.resumed_from is not None and self.position.step == self.resumed_from \
+                and not self.stopped:
+            # A finished run started again (compose up, a scheduler's retry): its results stay as they are.
+            log.info("nothing to do: %s is at step %d, the run's end (raise the epochs or max_steps to train on)",
+                     self.checkpointer.resumed_path, self.position.step)
+        elif self._training:
             status = "stopped" if self.stopped else "completed"
             summary = self.observers.summary(status, self.position.step, self.position.epoch,
                                              self.observers.throughput.samples_per_step, self.resumed_from,

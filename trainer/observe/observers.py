@@ -42,16 +42,20 @@ class Observers:
         self.loss_count = 0
         self.train_loss: float | None = None
         self.validation: dict[str, float] = {}
-        self.start_step = 0
+        self.start_step, self.resumed = 0, False
 
     # ---------------------------------------------------------------- set-up, once the run's pieces are known
     def start(self, start_step: int, resumed: bool) -> None:
-        """The trackers, opened where the run stands: a resumed run drops the events a killed one wrote after
-        its last checkpoint (TensorBoard's purge_step; metrics.csv likewise)."""
+        """Where the run stands. The trackers open there at the first scalar (a finished run started again writes
+        nothing): a resumed run drops the events a killed one wrote after its last checkpoint (TensorBoard's
+        purge_step; metrics.csv likewise)."""
+        self.start_step, self.resumed = start_step, resumed
+
+    def _open(self) -> Scalars:
         if self.scalars is None:
-            self.start_step = start_step
-            self.scalars = Scalars(self.ctx, self.settings.log_dir, purge_step=start_step + 1 if resumed else None,
-                                   run=self.settings)
+            self.scalars = Scalars(self.ctx, self.settings.log_dir,
+                                   purge_step=self.start_step + 1 if self.resumed else None, run=self.settings)
+        return self.scalars
 
     def attach(self, model, wrapped, optimizer, total_steps: int | None, start_step: int) -> None:
         """Step timing and the profiler hook the model and the optimizer; the progress bar knows the length."""
@@ -113,9 +117,7 @@ class Observers:
         """Scalars to every tracker (rank 0) at `step`; validation metrics are kept for summary.json."""
         values = {tag: float(value) for tag, value in values.items()}
         self.validation.update({tag: value for tag, value in values.items() if tag in VALIDATION})
-        if self.scalars is None:
-            self.start(step, resumed=False)
-        self.scalars.add(step, **values)
+        self._open().add(step, **values)
 
     def paused(self):
         """Time outside training (validation, checkpoints): not counted in samples/s."""
