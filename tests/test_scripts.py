@@ -67,10 +67,14 @@ def final_model(out: Path) -> dict:
 
 
 def user_package(root: Path) -> Path:
-    """mypkg/train.py under root: the user's script, importable from the working directory."""
+    """mypkg/train.py under root: the user's script, importable from the working directory, with the
+    helper module it imports (numbered.py) where each form puts sys.path[0]: beside the script for a
+    path, the working directory for `-m`."""
     (root / "mypkg").mkdir()
     (root / "mypkg" / "__init__.py").write_text("")
     shutil.copy(LOOP, root / "mypkg" / "train.py")
+    for where in (root, root / "mypkg"):
+        shutil.copy(LOOP.with_name("numbered.py"), where / "numbered.py")
     return root
 
 
