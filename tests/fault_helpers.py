@@ -74,13 +74,17 @@ def descendants(pid: int) -> list[int]:
 
 
 def _rank_of_worker(pid: int) -> int | None:
-    """The RANK torchrun gave a `python -m trainer` worker; None for any other process."""
+    """The RANK torchrun gave a `python -m trainer` worker (started through the launcher's bootstrap, or
+    not); None for any other process."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
-    if b"-m" not in argv or argv[argv.index(b"-m") + 1:][:1] != [b"trainer"]:
+    program = argv[argv.index(b"-m") + 1:] if b"-m" in argv else []
+    if program[:1] == [b"trainer.cluster.bootstrap"]:
+        program = program[1:][program[1:2] == [b"-m"]:]
+    if program[:1] != [b"trainer"]:
         return None
     ranks = [int(item[5:]) for item in environ if item.startswith(b"RANK=")]
     return ranks[0] if ranks else None

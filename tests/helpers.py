@@ -31,7 +31,8 @@ BAD_INPUT_TIMEOUT_S = 30
 
 INHERITED_TOPOLOGY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "MAX_RESTARTS", "RDZV_TIMEOUT",
-                      "PREFLIGHT", "TORCHELASTIC_RUN_ID", "JOB_COMPLETION_INDEX")
+                      "PREFLIGHT", "TORCHELASTIC_RUN_ID", "JOB_COMPLETION_INDEX", "HANG_TIMEOUT", "SCRIPT_LAUNCH",
+                      "TRAINER_AGENT_DIR", "TRAINER_AGENT_PID")
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -4,6 +4,7 @@ interleaved, with their ratio. The speed itself is not asserted; docs/benchmarks
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,14 @@ def test_bench_engine_cost_alternates_the_engine_and_a_bare_loop(tmp_path):
     assert result["step_us"]["engine"] > 0 and result["step_us"]["bare"] > 0
     assert result["cost_us"]["low"] <= result["cost_us"]["median"] <= result["cost_us"]["high"]
     assert "the engine's cost per step" in next(tmp_path.glob("engine-cost-*.md")).read_text()
+
+
+def test_bench_bootstrap_cost_starts_the_program_both_ways(tmp_path):
+    """What the launcher's bootstrap adds to a worker's start: both kinds really start, and the report says it."""
+    done = subprocess.run([sys.executable, "-m", "bench.bootstrap_cost", "--runs", "3"],
+                          cwd=Path(__file__).resolve().parents[1], env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    match = re.fullmatch(r"plain start ([\d.]+) ms, through the bootstrap ([\d.]+) ms: the bootstrap adds (-?[\d.]+) "
+                         r"ms \(median of 3 paired starts\)\n", done.stdout)
+    assert match and float(match[1]) > 0 and float(match[2]) > 0, done.stdout

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 from fault_helpers import Launch, checkpoint_files, error_lines, launcher_env, running, tiny_run, wait_until
 from helpers import (
     assert_same_params,
@@ -65,6 +66,10 @@ def test_sigkilled_worker_restarts_the_group_and_ends_as_if_uninterrupted(tmp_pa
 
     assert run.wait(RUN_BOUND_S) == 0, run.output()[-4000:]
     assert uninterrupted.wait(RUN_BOUND_S) == 0, uninterrupted.output()[-4000:]
+    assert ("restart 1 of 2: rank 1 was killed by SIGKILL; every rank of this host starts again from the newest "
+            "checkpoint") in run.output()
+    # The survivor's SIGTERM is torchrun tearing the group down, not a user's stop.
+    assert "received SIGTERM: stopping within a step or two" not in run.output(), run.output()[-4000:]
     done, expected = read_summary(faulty / "runs"), read_summary(reference / "runs")
     assert done["status"] == "completed" and done["world_size"] == 2
     assert done["global_step"] == expected["global_step"] == 100  # 3200 samples / (16 x 2 ranks)
@@ -235,6 +240,30 @@ def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     assert (directory / "step-00000030.pt.corrupt").stat().st_size == newest_size // 2
 
 
+def test_when_every_checkpoint_is_corrupt_resume_auto_refuses_to_start_over(tmp_path):
+    """Before, every checkpoint set aside and the run quietly began again at step 0. Now one line lists them
+    and says how to start over; the files stay for the user, and nothing is trained or written."""
+    args = tiny_run(tmp_path, samples=640) + ["--max-steps", "20"]
+    first = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert first.returncode == 0, first.stderr[-3000:]
+    directory = tmp_path / "checkpoints"
+    for path in checkpoint.list_checkpoints(directory):
+        path.write_bytes(b"not a checkpoint any more")
+    again = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=RUN_BOUND_S)
+    errors = error_lines(again.stderr)
+    assert again.returncode == 2 and len(errors) == 1, again.stderr[-3000:]
+    assert errors[0].startswith(f"error: --checkpoint-dir: no checkpoint in {directory} loads: 2 are set aside as "
+                                "corrupt (step-00000010.pt.corrupt, step-00000020.pt.corrupt) (to start over, move "
+                                "them out"), errors[0]
+    assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [
+        "step-00000010.pt.corrupt", "step-00000020.pt.corrupt"]
+    third = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert third.returncode == 2 and "2 are set aside as corrupt" in third.stderr  # not a fresh start either
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` mounted at path for the block: a disk the test can fill."""
@@ -271,7 +300,8 @@ def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path
         assert_no_traceback(output)
         full = [line for line in error_lines(output) if line.startswith("error: --checkpoint-dir: ")]
         assert len(full) == 1, output[-3000:]
-        assert "no space left on device while writing step-" in full[0] and "older checkpoints are intact" in full[0]
+        assert "no space left on device while writing step-" in full[0]
+        assert re.search(r"the \d+ older checkpoint\(s\) are intact, the newest step-\d{8}\.pt\)$", full[0]), full[0]
         failed_step = int(full[0].split("step-")[1][:8])
         assert error_lines(output)[-1].startswith("error: training failed: rank "), output[-3000:]
         assert "exited with code 1" in error_lines(output)[-1]
@@ -281,6 +311,30 @@ def test_full_disk_while_saving_is_one_line_and_keeps_older_checkpoints(tmp_path
         for path in kept:
             assert checkpoint.load(path)["global_step"] == int(path.stem[5:])
         assert not list((disk / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_disk_that_fills_during_the_write_is_called_full(tmp_path):
+    """The partial temp file is what filled the disk: its free space is measured before it is removed (after,
+    the disk looked half empty and the error blamed the directory's permissions, or torch's zip writer)."""
+    with small_disk(tmp_path / "disk", "8m") as disk:
+        state = {"format": checkpoint.FORMAT, "weights": torch.zeros(4 << 20)}  # 16 MiB: half of it fits
+        with pytest.raises(checkpoint.CheckpointError) as raised:
+            checkpoint.save(disk / "checkpoints", 1, state, keep=2)
+        message = str(raised.value)
+        assert "no space left on device while writing step-00000001.pt" in message, message
+        assert message.endswith("; no earlier checkpoint exists)") and "intact" not in message, message
+        assert not list((disk / "checkpoints").iterdir())
+
+
+def test_a_checkpoint_dir_with_less_room_than_one_checkpoint_is_refused_before_training(tmp_path):
+    """The run's first checkpoint would not fit: one line at the start, not an error at the first save."""
+    with small_disk(tmp_path / "disk", "3m") as disk:
+        result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=64), "--model",
+                                 "resnet18", "--checkpoint-dir", str(disk / "checkpoints")], cwd=tmp_path,
+                                env=clean_env(), capture_output=True, text=True, timeout=RUN_BOUND_S)
+        line = assert_usage_error(result, "--checkpoint-dir")
+        assert re.search(r"has \d+ MiB free, less than one checkpoint needs \(about \d+ MiB\)", line), line
+        assert not checkpoint.list_checkpoints(disk / "checkpoints")
 
 
 def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
@@ -353,6 +407,9 @@ def test_sigterm_checkpoints_exits_zero_and_the_next_start_resumes(tmp_path, lau
     stopped = read_summary(tmp_path / "runs")
     assert stopped["status"] == "stopped" and 0 < stopped["global_step"] < 100
     assert checkpoint_steps(tmp_path / "checkpoints")[-1] == stopped["global_step"]
+    assert run.output().strip().splitlines()[-1] == (  # what was saved, in the launcher's last line
+        f"stopped by SIGTERM: every worker on this host exited 0; the stop checkpoint step {stopped['global_step']} "
+        "is committed")
 
     again = Launch(args, tmp_path, launcher_env(free_port()), name="again")
     launches.append(again)

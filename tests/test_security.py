@@ -62,18 +62,30 @@ def test_explicit_resume_refuses_the_payload_in_one_line(tmp_path, payload):
 
 
 def test_auto_resume_skips_the_payload_with_a_warning(tmp_path):
-    """A checkpoint planted in the checkpoint volume is skipped with a warning at resume, never run."""
+    """A checkpoint planted in the checkpoint volume is skipped with a warning at resume, never run: the run
+    resumes from the newest real one. Planted alone, it is never run either, and the run does not quietly
+    start over (every checkpoint there is unreadable: the user decides)."""
     marker = tmp_path / "pwned"
     planted = tmp_path / "checkpoints" / "step-00000099.pt"
     write_malicious_checkpoint(planted, marker)
-    result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=320), "--max-steps", "3"],
+    alone = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=320), "--max-steps", "3"],
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 2 and "1 are set aside as corrupt (step-00000099.pt.corrupt)" in alone.stderr
+    assert not marker.exists()
+
+    (tmp_path / "checkpoints" / "step-00000099.pt.corrupt").unlink()
+    first = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=320), "--max-steps", "3"],
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    write_malicious_checkpoint(planted, marker)
+    result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=320), "--max-steps", "6"],
                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not marker.exists()
     assert any("WARNING" in line and str(planted) in line and "does not load" in line
                for line in result.stderr.splitlines()), result.stderr[-3000:]
     summary = read_summary(tmp_path / "runs")
-    assert summary["resumed_from_step"] is None and summary["global_step"] == 3
+    assert summary["resumed_from_step"] == 3 and summary["global_step"] == 6
 
 
 def torch_load_calls(source: str) -> list[ast.Call]:

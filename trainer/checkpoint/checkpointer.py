@@ -8,7 +8,9 @@ goes on or exits. The built-in loop and scripts on trainer.api commit through it
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -88,6 +90,8 @@ class Checkpointer:
         def prepare():
             ensure_output_dir(str(self.directory), self.labels.checkpoint_dir)
             ensure_output_dir(log_dir, self.labels.log_dir)
+            if self.objects is not None:
+                self._check_room()
             try:
                 self._claimed.append(claim(self.directory))
             except UsageError as err:
@@ -100,6 +104,18 @@ class Checkpointer:
         if self.sharded and self.ctx.distributed:
             self.objects.sharded_pair(setting)  # refused now, not at the first commit
         return self.objects
+
+    def _check_room(self) -> None:
+        """Refused now, not at the first checkpoint an hour in: a disk with less free space than one checkpoint
+        (the rotation removes an old one only after the new one is committed). Rank 0, in prepare()."""
+        free = None
+        needed = self.objects.estimated_bytes()
+        with contextlib.suppress(OSError):  # unreadable: the first save says why
+            free = shutil.disk_usage(self.directory).free
+        if free is not None and free < needed:
+            raise UsageError(self.labels.checkpoint_dir, f"'{self.directory}' has {free >> 20} MiB free, less than "
+                             f"one checkpoint needs (about {max(1, needed >> 20)} MiB)",
+                             "free some space, or point it at a bigger volume")
 
     def restore(self) -> Position | None:
         """Load the registered objects from the checkpoint found at start-up; the position it saved (its batch

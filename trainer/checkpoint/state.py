@@ -101,6 +101,21 @@ class Registered:
     def names(self) -> list[str]:
         return list(self.objects)
 
+    def estimated_bytes(self) -> int:
+        """About what one checkpoint of these objects takes on disk: the models' state, and the optimizers' (its
+        per-parameter slots, counted before the first step has made them: Adam's two, SGD's momentum)."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+        total = sum(size(m.state_dict().values()) for m in self.modules.values())
+        for optimizer in self.optimizers.values():
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            made = [v for state in optimizer.state.values() for v in state.values()]
+            group = optimizer.param_groups[0] if optimizer.param_groups else {}
+            slots = 2 if "betas" in group else 1 if group.get("momentum") else 0
+            total += size(made) if made else slots * size(params)
+        return total
+
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """torch's random state (dropout, random augmentation in user code): a resumed run draws what the

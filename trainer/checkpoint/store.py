@@ -105,14 +105,10 @@ def save_sharded(directory: Path, step: int, model, optimizer, rest: dict[str, A
     try:
         sharded.save(directory, step, model, optimizer, rest, ctx, final, names)
     except (OSError, RuntimeError, CheckpointException) as err:
+        full = _out_of_space(err, directory) or "No space left" in str(err)  # before the partial shards go
         if ctx.is_main:
             _remove(directory / f"{TEMP_PREFIX}{final.name}")
-        if _out_of_space(err, directory) or "No space left" in str(err):
-            raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
-                                  f"(free space in {directory}; older checkpoints are intact)") from None
-        raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
-                              f"writable directory for uid {os.getuid()} on every host; older checkpoints are "
-                              "intact)") from None
+        raise _save_failed(err, final, directory, full, " on every host") from None
     if ctx.is_main:
         for old in list_checkpoints(directory)[keep:]:
             _remove(old)
@@ -122,20 +118,31 @@ def save_sharded(directory: Path, step: int, model, optimizer, rest: dict[str, A
 
 def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     final = checkpoint_path(directory, step)
+    measured: list[bool] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with atomic_file(final) as f:
+        # The free space is measured while the partial temp file still fills the disk: once it is removed,
+        # a full disk no longer looks full.
+        with atomic_file(final, before_cleanup=lambda err: measured.append(_out_of_space(err, directory))) as f:
             torch.save(state, f)
     except (OSError, RuntimeError) as err:
-        if _out_of_space(err, directory):
-            raise CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} "
-                                  f"(free space in {directory}; older checkpoints are intact)") from None
-        raise CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a "
-                              f"writable directory for uid {os.getuid()}; older checkpoints are intact)") from None
+        full = measured[0] if measured else _out_of_space(err, directory)
+        raise _save_failed(err, final, directory, full) from None
     for old in list_checkpoints(directory)[keep:]:
         _remove(old)
     _remove_stale_temps(directory)
     return final
+
+
+def _save_failed(err: BaseException, final: Path, directory: Path, full: bool, where: str = "") -> CheckpointError:
+    older = list_checkpoints(directory)
+    kept = (f"the {len(older)} older checkpoint(s) are intact, the newest {older[0].name}" if older else
+            "no earlier checkpoint exists")
+    if full:
+        return CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} (free space "
+                               f"in {directory}; {kept})")
+    return CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a writable "
+                           f"directory for uid {os.getuid()}{where}; {kept})")
 
 
 def _out_of_space(err: BaseException, directory: Path) -> bool:
@@ -232,4 +239,11 @@ def load_for_resume(directory: Path, resume: str) -> tuple[dict[str, Any], Path]
                                  "remove it, or make the checkpoint directory writable") from None
             log.warning("checkpoint %s does not load (%s); moved to %s, trying the previous one",
                         path, why_not(err), aside.name)
+    set_aside = sorted(p.name for p in directory.glob("step-*.corrupt*")) if directory.is_dir() else []
+    if set_aside:
+        # Starting again from step 0 would quietly throw away the run: the user decides.
+        raise UsageError("--checkpoint-dir", f"no checkpoint in {directory} loads: {len(set_aside)} are set aside "
+                         f"as corrupt ({', '.join(set_aside[:4])}{', ...' if len(set_aside) > 4 else ''})",
+                         "to start over, move them out of the directory or give another --checkpoint-dir; to "
+                         "resume from one, repair it and give it to --resume") from None
     return None

@@ -6,12 +6,18 @@
     trainer-launch --dry-run [...]             print the resolved topology and the command as JSON; start nothing
 
     NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
-    MASTER_ADDR (127.0.0.1 on one node; required on several)  MASTER_PORT (29500)
+    MASTER_ADDR (127.0.0.1 on one node; required on several)
+    MASTER_PORT (29500 on several nodes; unset on one node: a free port, as torchrun --standalone takes)
     or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
     trainer/cluster/topology.py reads them, in the order its docstring and the README give.
     MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
+    HANG_TIMEOUT (seconds, 600; 0: off)  no progress for this long (no step, or for a script not on trainer.api
+                 no output line, on any rank): every rank's stack is printed, the stuck ranks named, the job ended
     TRAIN_SCRIPT (unset)  a script path, or -m and a module, used when the command line names none:
                  TRAIN_SCRIPT=/workspace/src/train.py  or  TRAIN_SCRIPT="-m mypkg.train"
+    SCRIPT_LAUNCH (auto)  per-host: the script starts its own processes (mp.spawn, a tcp:// init_method with its
+                 own ranks): run it once per host, without torchrun; torchrun: a copy per rank; auto: per-host
+                 when its source calls torch.multiprocessing's spawn or joins at a tcp:// address
 
 The built-in trainer's options are validated here, before torchrun starts, so a mistake is one line
 and exit code 2, never a hang. A script's or module's arguments are its own; the launcher checks that
@@ -29,15 +35,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from trainer.cluster import topology as topo
 from trainer.cluster.gpus import visible_gpu_count
 from trainer.cluster.topology import Topology, env_int
+from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT
 from trainer.config.catalog import importable_as_python_m
 from trainer.config.settings import (
     FALSE_WORDS,
@@ -61,10 +69,63 @@ DRY_RUN = "--dry-run"
 
 @dataclass(frozen=True)
 class Launch:
-    """What trainer-launch execs, for which topology, with which training options (None: a user's script)."""
+    """What trainer-launch execs, for which topology, with which training options (None: a user's script).
+    per_host: why the script runs once on this host instead of once per rank (it starts its own processes)."""
     command: list[str]
     topology: Topology
     cfg: TrainConfig | None
+    per_host: str | None = None
+
+
+SCRIPT_LAUNCH_ENV = "SCRIPT_LAUNCH"
+SCRIPT_LAUNCH_CHOICES = ("auto", "torchrun", "per-host")
+# The tutorials' own launchers: torch.multiprocessing's spawn (mp.spawn(train, nprocs=gpus)), and a tcp://
+# init_method with the script's own rank and world size. Either makes a copy per rank under torchrun wrong:
+# each copy spawns a whole host's worth, or claims the same rank.
+SPAWNS = re.compile(r"\b(?:mp|multiprocessing|torch\.multiprocessing)\.(?:spawn|start_processes)\s*\(|"
+                    r"^\s*from\s+torch\.multiprocessing\s+import\s+[^#\n]*\b(?:spawn|start_processes)\b", re.M)
+TCP_INIT = re.compile(r"""["']tcp://""")
+
+
+def launches_itself(program: Program, env: Mapping[str, str]) -> str | None:
+    """Why a script is to run once per host (it starts or ranks its processes itself); None: once per rank.
+    SCRIPT_LAUNCH=torchrun or per-host overrides what the script's source suggests."""
+    choice = env.get(SCRIPT_LAUNCH_ENV, "").strip().lower() or "auto"
+    if choice not in SCRIPT_LAUNCH_CHOICES:
+        raise UsageError(SCRIPT_LAUNCH_ENV, f"'{choice}' is not one of {', '.join(SCRIPT_LAUNCH_CHOICES)}",
+                         "per-host runs a script that starts its own processes (mp.spawn) once on each host; "
+                         "torchrun runs a copy per rank; auto (the default) tells them apart by the source")
+    if program.builtin or choice == "torchrun":
+        return None
+    if choice == "per-host":
+        return f"{SCRIPT_LAUNCH_ENV}=per-host"
+    path = program.target[0] if program.target[0] != "-m" else _module_file(program.target[1])
+    try:
+        source = "\n".join(line for line in open(path, encoding="utf-8", errors="replace").read().splitlines()
+                           if not line.lstrip().startswith("#"))
+    except (OSError, TypeError):
+        return None
+    if SPAWNS.search(source):
+        return "it calls torch.multiprocessing's spawn"
+    if "init_process_group" in source and TCP_INIT.search(source):
+        return "it joins its process group at a tcp:// address with its own rank"
+    return None
+
+
+def _module_file(name: str) -> str | None:
+    with importable_as_python_m():
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{name}.__main__")
+    return spec.origin if spec is not None else None
+
+
+def per_host_env(topology: Topology) -> dict[str, str]:
+    """What a script that starts its own processes gets to know the job by (and no torchrun variables)."""
+    return {"NNODES": str(topology.nnodes), "NODE_RANK": str(topology.node_rank),
+            "NPROC_PER_NODE": str(topology.nproc_per_node), "LOCAL_WORLD_SIZE": str(topology.nproc_per_node),
+            "WORLD_SIZE": str(topology.world_size), "MASTER_ADDR": topology.master_addr,
+            "MASTER_PORT": str(topology.master_port)}
 
 
 @dataclass(frozen=True)
@@ -155,28 +216,46 @@ def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) 
     return [sys.executable, *target, *args]
 
 
-def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count
-                  ) -> Launch:
-    """The command to exec, its topology and the training options it runs with, validated on the way."""
+def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count,
+                  pick_port: bool = False) -> Launch:
+    """The command to exec, its topology and the training options it runs with, validated on the way.
+    pick_port: on one host with MASTER_PORT unset, take a free port (not for --dry-run, which starts nothing)."""
     program = choose_program(argv, env)
     # All but the world-size checks, before counting GPUs (which may import torch).
     options = load_config(list(program.args), env, world_size=1) if program.builtin else None
     topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
+    if pick_port and topology.mode == topo.TORCHRUN and topology.nnodes == 1 and \
+            topology.sources.get("master_port", "default") == "default":
+        topology = replace(topology, master_port=free_port(),
+                           sources={**topology.sources, "master_port": "a free port (one host, MASTER_PORT unset)"})
     if topology.mode == topo.DIRECT:  # this process is one rank already: no torchrun
         command = single_worker_command(program.args, program.target)
     else:
         max_restarts = env_int(env, "MAX_RESTARTS", 0, 0)
+        env_int(env, "HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT, 0)  # the supervisor's watchdog reads it
         rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
         command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
     if options is None:
         # A script on trainer.api reads the same TRAIN_* settings (its keyword arguments win over them): a bad
         # value fails here in one line, not once per rank after torchrun has started them.
         script_settings({}, env, world_size=topology.world_size)
+        why = launches_itself(program, env) if topology.mode == topo.TORCHRUN else None
+        if why is not None:
+            return Launch(single_worker_command(program.args, program.target), topology, None, why)
         return Launch(command, topology, None)
     if topology.mode == topo.TORCHRUN:
         # The worker's own check, before torchrun starts ranks that would each fail with it.
         check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, topology.world_size)
     return Launch(command, topology, load_config(list(program.args), env, world_size=topology.world_size))
+
+
+def free_port() -> int:
+    """A port nothing listens on now, as torchrun --standalone takes one: with host networking a fixed default
+    collides with whatever else runs on the host. (Taken by another process before torchrun binds it, the
+    rendezvous error says so.)"""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def preflight_enabled(env: Mapping[str, str]) -> bool:
@@ -207,9 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     dry_run, args = split_dry_run(args, os.environ)
     with exit_on_usage_error():
-        launch = build_command(os.environ, args)
+        launch = build_command(os.environ, args, pick_port=not dry_run)
         if dry_run:
-            print(json.dumps({**launch.topology.facts(), "command": launch.command}, indent=2))
+            per_host = {} if launch.per_host is None else {"once_per_host": launch.per_host}
+            print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
             return 0
         preflight = preflight_enabled(os.environ)
         if launch.topology.mode == topo.TORCHRUN:
@@ -218,9 +298,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if preflight:
         run_preflight(launch.cfg)
     command = launch.command
+    if launch.per_host is not None:
+        print(f"{shlex.join(launch.command[1:3] if launch.command[1] == '-m' else launch.command[1:2])} starts its own processes ({launch.per_host}): running it once on "
+              "this host, without torchrun, with NNODES, NODE_RANK, NPROC_PER_NODE, WORLD_SIZE, MASTER_ADDR and "
+              f"MASTER_PORT in its environment ({SCRIPT_LAUNCH_ENV}=torchrun runs a copy per rank instead)",
+              file=sys.stderr, flush=True)
+        os.environ.update(per_host_env(launch.topology))
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
     if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
         command = [sys.executable, "-m", "trainer.cluster.supervisor", *command[1:]]
+    elif launch.per_host is not None:  # the script under the same bootstrap and the same truthful end
+        command = [sys.executable, "-m", "trainer.cluster.supervisor", "--per-host", *command[1:]]
     os.execvp(command[0], command)
     return 0  # not reached
 

@@ -7,11 +7,19 @@ multi-line failure report the user reads which rank failed how, or why rendezvou
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
-from typing import Mapping
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping
 
+from trainer.cluster import workers
+from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT, Watchdog
 from trainer.core.errors import UsageError, print_error
 
 # Workers find their host's agent (this process) here: see stop_host_agent.
@@ -33,9 +41,9 @@ def rendezvous_fix(env: Mapping[str, str]) -> str:
             "in that host's firewall; raise RDZV_TIMEOUT for slow starts")
 
 
-def _arg(args: list[str], name: str) -> str:
+def _arg(args: list[str], name: str, default: str = "?") -> str:
     prefix = f"--{name}="
-    return next((a[len(prefix):] for a in args if a.startswith(prefix)), "?")
+    return next((a[len(prefix):] for a in args if a.startswith(prefix)), default)
 
 
 def _root_cause_first(item: tuple) -> tuple:
@@ -89,46 +97,213 @@ def _import_torch_quietly() -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def _drop_torchruns_failure_line() -> None:
-    """torchrun logs each worker failure on its own; the one line main() prints says it for all of them."""
-    import logging
+class _FailureLines(logging.Filter):
+    """torchrun logs each worker failure on its own; the one line main() prints says it for all of them. A
+    failure torchrun restarts the group for is announced instead, in one line (the restarted ranks then say
+    which checkpoint they resume from)."""
 
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-        lambda record: not str(record.msg).startswith("failed (exitcode"))
+    def __init__(self, args: list[str]):
+        super().__init__()
+        self.max_restarts = int(_arg(args, "max-restarts", "0"))
+        self.base_rank = int(_arg(args, "node-rank", "0")) * int(_arg(args, "nproc-per-node", "1"))
+        self.failures = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("failed (exitcode"):
+            return True
+        self.failures += 1
+        if self.failures <= self.max_restarts:
+            try:
+                code, local_rank = int(record.args[0]), int(record.args[1])
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                what = f"rank {self.base_rank + local_rank} {how}"
+            except (TypeError, ValueError, IndexError):  # another torch's record: say less, never fail
+                what = "a worker failed"
+            print(f"restart {self.failures} of {self.max_restarts}: {what}; every rank of this host starts "
+                  "again from the newest checkpoint", file=sys.stderr, flush=True)
+        return False
+
+
+def run_through_bootstrap(config) -> None:
+    """torchrun's parsed arguments, changed to start every worker through trainer.cluster.bootstrap."""
+    target = ["-m", config.training_script] if config.module else [config.training_script]
+    config.module, config.no_python = True, False
+    config.training_script = "trainer.cluster.bootstrap"
+    config.training_script_args = [*target, *config.training_script_args]
+
+
+@contextlib.contextmanager
+def agent_folder() -> Iterator[str]:
+    """Where this host's workers leave their records: a private temp folder, or /dev/shm where the temp
+    directory is read-only (some container runtimes' images)."""
+    for where in (None, "/dev/shm"):
+        try:
+            folder = tempfile.mkdtemp(prefix="trainer-agent-", dir=where)
+            break
+        except OSError:
+            continue
+    else:
+        print_error("TMPDIR: no writable temporary directory (nor /dev/shm) for the workers' records (mount a "
+                    "writable /tmp, or set TMPDIR to a writable directory)")
+        raise SystemExit(2)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def describe_stop(sig: int, folder: Path, expected: int) -> tuple[str, int]:
+    """(last line, exit code) after a signal stopped this host: 0 only when every worker exited 0."""
+    name = signal.Signals(sig).name
+    found = workers.read_workers(folder)
+    expected = expected or len(found)  # 0: torchrun counts the processes itself (--nproc-per-node=gpu)
+    clean = bool(found) and len(found) == expected and all(w.exit == 0 for w in found)
+    committed = sorted({w.committed for w in found if w.committed})
+    saved = f"the stop checkpoint {committed[-1]} is committed" if committed else "no checkpoint was committed at " \
+        "the stop"
+    if clean:
+        return f"stopped by {name}: every worker on this host exited 0; {saved}", 0
+    killed = [w.rank for w in found if w.exit is None]
+    failed = [f"rank {w.rank} exited with code {w.exit}" for w in found if w.exit not in (None, 0)]
+    parts = failed + ([f"{_ranks(killed)} {'was' if len(killed) == 1 else 'were'} killed before exiting (no "
+                       f"handler for {name}, or still busy after torchrun's 30 s)"] if killed else [])
+    if len(found) < expected:
+        parts.append(f"{expected - len(found)} worker(s) had not started")
+    return f"stopped by {name}: {'; '.join(parts)}; {saved}", 128 + sig
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def hang_timeout(env: Mapping[str, str]) -> int:
+    """HANG_TIMEOUT in seconds (0: off); the launcher has checked it (trainer.cluster.launch)."""
+    try:
+        return max(0, int(env.get("HANG_TIMEOUT", "").strip()))
+    except ValueError:
+        return DEFAULT_HANG_TIMEOUT
+
+
+def start_watchdog(folder: Path, args: list[str]) -> Watchdog | None:
+    timeout = hang_timeout(os.environ)
+    if not timeout:
+        return None
+    several_hosts = _arg(args, "nnodes", "1") not in ("1", "1:1")
+    port = _arg(args, "master-port")
+    store_at = (_arg(args, "master-addr"), int(port)) if several_hosts and port.isdigit() else None
+    dog = Watchdog(folder, timeout, store_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    dog.start()
+    return dog
+
+
+PER_HOST = "--per-host"
+
+
+def supervise_one(argv: list[str]) -> int:
+    """A script that starts its own processes (mp.spawn, a tcp:// init), run once on this host: through the same
+    bootstrap (its children die with it, its stacks can be read) and with the same truthful end. Torch-free."""
+    with agent_folder() as folder:
+        env = {**os.environ, workers.AGENT_DIR_ENV: folder}
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.cluster.bootstrap", *argv], env=env,
+                                start_new_session=True)  # its own group: the sentinel's, and the stop's target
+        received: list[int] = []
+
+        def forward(sig, _frame):
+            received.append(sig)
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, forward)
+        timeout = hang_timeout(os.environ)
+        dog = Watchdog(Path(folder), timeout, None, lambda: None) if timeout else None
+        if dog is not None:
+            dog.start()
+        code = proc.wait()
+        if dog is not None and dog.fired:
+            print_error(dog.fired)
+            return 1
+        if received:
+            name = signal.Signals(received[0]).name
+            if code == 0:
+                print(f"stopped by {name}: the script exited 0", file=sys.stderr, flush=True)
+                return 0
+            how = f"was killed by it (no handler for {name})" if code == -received[0] else (
+                f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+            print(f"stopped by {name}: the script {how}", file=sys.stderr, flush=True)
+            return 128 + received[0]
+        if code < 0:
+            print_error(f"training failed: the script was killed by {signal.Signals(-code).name}; the signal came "
+                        "from outside the trainer")
+            return 128 - code
+        if code > 0:
+            print_error(f"training failed: the script exited with code {code}; its own error is printed above")
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == [PER_HOST]:
+        return supervise_one(args[1:])
     try:
         _import_torch_quietly()
     except KeyboardInterrupt:  # Ctrl-C in the seconds before torchrun (which handles it later) runs
         print_error("interrupted (SIGINT) before the workers started")
         return 130
-    _drop_torchruns_failure_line()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailureLines(args))
     endpoint = f"{_arg(args, 'master-addr')}:{_arg(args, 'master-port')}"
     os.environ[AGENT_PID_ENV] = str(os.getpid())
-    try:
-        run(parse_args(args))
-    except ChildFailedError as err:
-        message, code = describe_child_failure(err.failures)
-        print_error(message)
-        return code
-    except SignalException as err:
-        # torchrun has already passed the signal on and waited for the workers, which checkpoint and exit 0.
-        print(f"stopped by {signal.Signals(err.sigval).name}: workers were asked to checkpoint and exit",
-              file=sys.stderr, flush=True)
-        return 0 if err.sigval in (signal.SIGTERM, signal.SIGINT) else 1
-    except (RendezvousError, DistError, TimeoutError) as err:
-        detail = " ".join(str(err).split())[:300]
-        print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({rendezvous_fix(os.environ)})")
-        return 1
+    config = parse_args(args)
+    run_through_bootstrap(config)
+    expected = int(config.nproc_per_node) if str(config.nproc_per_node).isdigit() else 0
+    with agent_folder() as folder:
+        os.environ[workers.AGENT_DIR_ENV] = folder
+        dog = start_watchdog(Path(folder), args)
+        try:
+            run(config)
+        except ChildFailedError as err:
+            if dog is not None and dog.fired:  # the agent saw the killed workers before the stop
+                print_error(dog.fired)
+                return 1
+            message, code = describe_child_failure(err.failures)
+            print_error(message)
+            return code
+        except SignalException as err:
+            if dog is not None and dog.fired:
+                print_error(dog.fired)
+                return 1
+            # torchrun has passed the signal on and waited for the workers (30 s, then SIGKILL).
+            message, code = describe_stop(err.sigval, Path(folder), expected)
+            print(message, file=sys.stderr, flush=True)
+            return code
+        except (RendezvousError, DistError, TimeoutError) as err:
+            detail = " ".join(str(err).split())[:300]
+            fix = rendezvous_fix(os.environ)
+            if "address already in use" in detail.lower() or "EADDRINUSE" in detail:
+                fix = (f"another process took port {_arg(args, 'master-port')} between the launcher's check and "
+                       "torchrun's bind: choose a free MASTER_PORT, the same on every host (on one host, leave it "
+                       "unset and the launcher takes a free one)")
+            print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({fix})")
+            return 1
+        alone = workers.trained_alone(workers.read_workers(Path(folder)), world_size(args))
+        if alone is not None:
+            print(alone, file=sys.stderr, flush=True)
     return 0
+
+
+def world_size(args: list[str]) -> int:
+    try:
+        return int(_arg(args, "nnodes", "1").split(":")[-1]) * int(_arg(args, "nproc-per-node", "1"))
+    except ValueError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -86,8 +86,8 @@ class TrainConfig:
     # Image files (trainer/data/jpeg.py, trainer/data/pack.py).
     decode: str = option("auto", "imagefolder decoding: cpu (worker processes decode no more pixels than the "
                          "crop needs), gpu (nvJPEG batches on the GPU, crops and flips there; other files on "
-                         "the CPU), pil (PIL + torchvision transforms, the reference); auto: gpu on CUDA "
-                         "(imagenet augmentation), else cpu", ("auto", "cpu", "gpu", "pil"))
+                         "the CPU), pil (PIL + torchvision transforms, the reference); auto: cpu (gpu is opt-in until "
+                         "a GPU run has measured it)", ("auto", "cpu", "gpu", "pil"))
     # Observability.
     val_every: int = option(1, "validate every N epochs (0: never)")
     log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 TEMP_PREFIX = ".tmp-"
 
@@ -43,10 +43,12 @@ def commit(temp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, durable: bool = True) -> Iterator[Path]:
+def replacing(path: Path, durable: bool = True,
+              before_cleanup: Callable[[BaseException], object] | None = None) -> Iterator[Path]:
     """`with replacing(path) as temp:` write `temp` (any writer that takes a path); on success it replaces `path`
     (fsynced first, the rename too, when durable), on failure it is removed and `path` stays as it was.
-    durable=False skips the fsyncs, for files whose loss in a power cut costs nothing (they are rewritten)."""
+    durable=False skips the fsyncs, for files whose loss in a power cut costs nothing (they are rewritten).
+    before_cleanup(error) runs on failure while the temp file still exists (to measure what it filled)."""
     temp = temp_path(path)
     try:
         yield temp
@@ -56,16 +58,19 @@ def replacing(path: Path, durable: bool = True) -> Iterator[Path]:
             commit(temp, path)
         else:
             os.replace(temp, path)
-    except BaseException:
+    except BaseException as err:
+        if before_cleanup is not None:
+            before_cleanup(err)
         with contextlib.suppress(OSError):
             temp.unlink(missing_ok=True)
         raise
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
+def atomic_file(path: Path, mode: str = "wb", durable: bool = True,
+                before_cleanup: Callable[[BaseException], object] | None = None) -> Iterator[IO]:
     """`with atomic_file(path) as f: f.write(...)`: `path` holds everything written, or stays as it was."""
-    with replacing(path, durable) as temp, open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+    with replacing(path, durable, before_cleanup) as temp, open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
         yield f
 
 

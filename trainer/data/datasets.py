@@ -199,14 +199,15 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
 
 
 def image_folder_class(cfg: TrainConfig, ctx: DistContext):
-    """The image folder's reader for --decode (trainer/data/jpeg.py): auto is the GPU path on CUDA with the
-    imagenet policy (small images gain nothing from it), else the fast CPU path."""
+    """The image folder's reader for --decode (trainer/data/jpeg.py): auto is the fast CPU path. The GPU path
+    (nvJPEG) is opt-in: no GPU has run it yet, and a path no GPU has run is never a default
+    (docs/benchmarks.md, "GPU (--decode gpu): not measured yet")."""
     from trainer.data import jpeg
 
     light = jpeg.resolve_augment(cfg.augment, cfg.image_size) == "light"
     decode = cfg.decode
     if decode == "auto":
-        decode = "gpu" if ctx.device.type == "cuda" and not light else "cpu"
+        decode = "cpu"
     if decode == "gpu" and ctx.device.type != "cuda":
         raise UsageError("--decode", f"gpu, but this process trains on {ctx.device}",
                          "use --decode auto or cpu without a GPU")

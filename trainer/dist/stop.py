@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 
+from trainer.cluster import workers
 from trainer.dist.context import DistContext
 
 log = logging.getLogger("trainer")
@@ -28,6 +29,10 @@ class GracefulStop:
 
     def _request(self, signum, _frame):
         self.requested = True
+        if workers.peer_failed_here():  # torchrun tearing the group down: no user asked for a stop
+            log.warning("received %s: torchrun stops this host's workers after another one failed",
+                        signal.Signals(signum).name)
+            return
         log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
     @staticmethod

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
 from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position
 from trainer.checkpoint.store import CheckpointError
+from trainer.cluster import workers
 from trainer.cluster.supervisor import stop_host_agent
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
@@ -419,6 +420,7 @@ class Run:
     def _after_step(self, micro: int, samples: int, epoch_done: bool, scalars: dict[str, Any]) -> bool:
         pos = self.position
         self.position = Position(pos.epoch, pos.batch + micro, pos.step + 1)
+        workers.progress()  # for the launcher's hang watchdog
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
         if self._local_sgd is not None:
@@ -521,6 +523,8 @@ class Run:
         if self.stopped and self._stop is not None and not self._stop.requested and self.is_local_main \
                 and stop_host_agent(os.environ):
             log.warning("the stop was requested on another host: stopping this host's launcher too")
+        if self.stopped and self.checkpointer.last_committed == self.position.step:
+            workers.note(committed=f"step {self.position.step}")  # the launcher's last line says so
         self._close()
         self._finished = code
         return code

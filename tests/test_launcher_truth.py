@@ -1,0 +1,282 @@
+"""The launcher's word and exit status tell the truth (docs/reliability.md, "the launcher" rows).
+
+Real launcher, real torchrun, real gloo ranks: the tutorials' own launch patterns run under trainer-launch; a
+stop that saved nothing is not called a success; a lost launcher leaves no process behind, and its peer host
+stops at once; a rank stuck in the user's code is named with its stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fault_helpers import Launch, descendants, error_lines, launcher_env, running, tiny_run, wait_until
+from helpers import REPO, assert_usage_error, clean_env, free_port
+
+USER_CODE = REPO / "tests" / "user_code"
+RUN_BOUND_S = 240  # a whole short run on a loaded 2-core machine; a bound on a hang, not a speed goal
+
+
+@pytest.fixture
+def launches():
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        if launch.proc.poll() is None:
+            launch.stop_everything()
+
+
+def pids_of(fragment: str) -> list[int]:
+    """Processes whose command line holds `fragment` (this test's script path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if fragment in cmdline and running(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+# ------------------------------------------------------------------ the tutorials' own launch patterns
+
+def test_a_script_that_spawns_its_own_processes_runs_once_per_host(tmp_path, launches):
+    """The mp.spawn tutorial as written (its own MASTER_ADDR/PORT, ranks from -g and -nr): before, every
+    torchrun copy spawned its own pair and waited on a store nobody hosted, silently, for 30 minutes."""
+    run = Launch([str(USER_CODE / "tutorial_spawn.py"), "-n", "1", "-g", "2", "-nr", "0", "--epochs", "1"],
+                 tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    assert run.wait(RUN_BOUND_S) == 0, run.output()[-4000:]
+    output = run.output()
+    assert "starts its own processes (it calls torch.multiprocessing's spawn): running it once on this host" in output
+    assert "rank 0 of 2 done" in output and "rank 1 of 2 done" in output
+    assert "Training complete in:" in output
+
+
+def test_a_tcp_init_script_runs_once_per_host_on_two_hosts(tmp_path, launches):
+    """The tcp:// notebooks: each host's copy gives its own --rank; the launcher runs one copy per host."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    nodes = []
+    for node in (1, 0):
+        env = launcher_env(port, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="1")
+        nodes.append(Launch([str(USER_CODE / "tutorial_tcp.py"), "--init-method", address, "--rank", str(node),
+                             "--world-size", "2"], tmp_path, env, name=f"node{node}"))
+    launches.extend(nodes)
+    for node in nodes:
+        assert node.wait(RUN_BOUND_S) == 0, node.output()[-4000:]
+    assert "rank 1 of 2 done" in nodes[0].output() and "rank 0 of 2 done" in nodes[1].output()
+    assert "joins its process group at a tcp:// address with its own rank" in nodes[1].output()
+
+
+def test_script_launch_torchrun_overrides_what_the_source_suggests(tmp_path):
+    def dry_run(**env: str) -> dict:
+        result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run",
+                                 str(USER_CODE / "tutorial_spawn.py")], cwd=tmp_path, capture_output=True, text=True,
+                                env=clean_env(env), timeout=60)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    forced = dry_run(SCRIPT_LAUNCH="torchrun")
+    assert forced["command"][0] == "torchrun" and "once_per_host" not in forced
+    detected = dry_run()
+    assert detected["command"][:2] == [sys.executable, str(USER_CODE / "tutorial_spawn.py")]
+    assert detected["once_per_host"] == "it calls torch.multiprocessing's spawn"
+    assert dry_run(SCRIPT_LAUNCH="per-host")["once_per_host"] == "SCRIPT_LAUNCH=per-host"
+
+
+@pytest.mark.parametrize("setting, value", [("SCRIPT_LAUNCH", "always"), ("HANG_TIMEOUT", "soon"),
+                                            ("HANG_TIMEOUT", "-1")])
+def test_bad_launcher_settings_are_one_line(tmp_path, setting, value):
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(USER_CODE / "tutorial_tcp.py")],
+                            cwd=tmp_path, capture_output=True, text=True, env=clean_env({setting: value}), timeout=60)
+    assert_usage_error(result, setting)
+
+
+# ------------------------------------------------------------------ a stop's exit status
+
+NO_HANDLER = """
+import time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} training", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_sigterm_to_a_script_without_a_handler_is_not_called_a_success(tmp_path, launches):
+    """Its workers die of the signal and save nothing: 128 + SIGTERM (Slurm and Kubernetes read it), and a
+    last line that says so. Before: exit 0 and 'workers were asked to checkpoint and exit'."""
+    (tmp_path / "no_handler.py").write_text(NO_HANDLER)
+    run = Launch(["no_handler.py"], tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    wait_until(lambda: run.output().count("training") >= 2, RUN_BOUND_S, "both ranks to start")
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM, run.output()[-3000:]
+    last = run.output().strip().splitlines()[-1]
+    assert last == ("stopped by SIGTERM: ranks 0, 1 were killed before exiting (no handler for SIGTERM, or still "
+                    "busy after torchrun's 30 s); no checkpoint was committed at the stop"), last
+
+
+# ------------------------------------------------------------------ no orphans
+
+def test_a_killed_launcher_takes_its_workers_and_their_children_along(tmp_path, launches):
+    """SIGKILL to the launcher (an OOM kill, a lost container runtime): its worker, and the processes that
+    worker spawned itself (the mp.spawn tutorial's two), are gone within seconds instead of training on."""
+    run = Launch([str(USER_CODE / "tutorial_spawn.py"), "-n", "1", "-g", "2", "-nr", "0", "--epochs", "50"],
+                 tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    wait_until(lambda: "Step [4/" in run.output(), RUN_BOUND_S, f"training to start\n{run.output()[-2000:]}")
+    started = descendants(run.pid)
+    assert len(started) >= 3, started  # the script, and the two processes it spawned
+    os.kill(run.pid, signal.SIGKILL)
+    run.proc.wait()
+    wait_until(lambda: not [pid for pid in started if running(pid)], 10, "every process it started to be gone")
+
+
+def test_when_one_hosts_launcher_dies_the_other_stops_at_once(tmp_path, launches):
+    """Two launcher nodes; node 1's launcher SIGKILLed mid-run: its worker dies with it, node 0's ranks lose
+    their peer at the next collective and node 0 exits non-zero well within the collective timeout, with
+    no exit-barrier wait and no DistStoreError pages."""
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        env = launcher_env(port, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="1")
+        nodes.append(Launch(tiny_run(tmp_path / f"n{node}", samples=96000) + ["--collective-timeout", "300"],
+                            tmp_path, env, name=f"node{node}"))
+    launches.extend(nodes)
+    wait_until(lambda: (tmp_path / "n0" / "checkpoints").is_dir() and
+               any((tmp_path / "n0" / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
+               f"a first checkpoint\n{nodes[0].output()[-2000:]}")
+    worker = nodes[1].workers()[1]
+    os.kill(nodes[1].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: not running(worker), 10, "node 1's worker to die with its launcher")
+    code = nodes[0].wait(60)
+    assert code != 0
+    assert time.monotonic() - killed_at < 60
+    output = nodes[0].output()
+    assert "DistStoreError" not in output, output[-3000:]
+    assert error_lines(output)[-1].startswith("error: training failed: rank 0 exited with code 1"), output[-3000:]
+
+
+# ------------------------------------------------------------------ hangs are named
+
+STUCK = """
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def load_batch(step):
+    if dist.get_rank() == 1 and step == 3:
+        time.sleep(3600)  # a read that never returns
+    return torch.ones(4)
+
+
+def main():
+    dist.init_process_group("gloo")
+    for step in range(1000):
+        batch = load_batch(step)
+        dist.all_reduce(batch)
+        print(f"rank {dist.get_rank()} step {step}", flush=True)
+        time.sleep(0.1)
+
+
+main()
+"""
+
+
+def test_a_rank_stuck_in_the_users_code_is_named_with_its_stack(tmp_path, launches):
+    """HANG_TIMEOUT=30: no output from any rank for 30 s; every rank's stack, the stuck rank named at its line,
+    exit 1. Without it the job waits out gloo's 30-minute default."""
+    (tmp_path / "stuck.py").write_text(STUCK)
+    run = Launch(["stuck.py"], tmp_path, launcher_env(free_port(), HANG_TIMEOUT="30"))
+    launches.append(run)
+    wait_until(lambda: "rank 0 step 2" in run.output(), RUN_BOUND_S, "the first steps")
+    started = time.monotonic()
+    assert run.wait(RUN_BOUND_S) == 1, run.output()[-4000:]
+    assert time.monotonic() - started >= 25  # not before the bound (output stopped at step 3, after this)
+    output = run.output()
+    line = error_lines(output)[-1]
+    sleeping = next(n for n, text in enumerate(STUCK.splitlines(), 1) if "time.sleep(3600)" in text)
+    assert re.fullmatch(r"error: hang: no progress for 30 s \(HANG_TIMEOUT\): rank 1 \(host .+\) is not in the "
+                        rf"collective: stuck at stuck\.py:{sleeping} in load_batch; the stacks are above .*", line), line
+    assert "--- rank 0 " in output and "--- rank 1 " in output
+    assert re.search(r'File ".*distributed_c10d\.py", line \d+ in all_reduce', output)  # rank 0's wait
+    assert not pids_of(" stuck.py")  # the workers are gone with the job
+
+
+# ------------------------------------------------------------------ ports
+
+HELLO = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+print(f"rank {dist.get_rank()} joined at port {__import__('os').environ['MASTER_PORT']}", flush=True)
+"""
+
+
+def test_on_one_host_with_master_port_unset_a_taken_29500_is_no_conflict(tmp_path):
+    """Host networking shares the host's ports: something on 29500 (another job, another user's torchrun)
+    made the fixed default fail. On one host with MASTER_PORT unset the launcher takes a free port."""
+    (tmp_path / "hello.py").write_text(HELLO)
+    with socket.socket() as taken:
+        try:
+            taken.bind(("", 29500))
+            taken.listen()
+        except OSError:
+            pass  # taken already, by something else: the same situation
+        env = {key: value for key, value in launcher_env(0).items() if key != "MASTER_PORT"}
+        result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "hello.py"], cwd=tmp_path,
+                                env=clean_env(env), capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ports = set(re.findall(r"joined at port (\d+)", result.stdout))
+    assert len(ports) == 1 and ports != {"29500"}, result.stdout
+    assert f"--master-port={ports.pop()}" in result.stderr
+
+
+# ------------------------------------------------------------------ every process trained alone
+
+ALONE = """
+import torch
+
+print("training on my own", flush=True)
+"""
+
+
+@pytest.mark.parametrize("script, env, warning", [
+    ("tutorial_accelerate.py", {}, "accelerate ran every rank as DistributedType.NO, a job of one: set "
+                                   "ACCELERATE_USE_CPU=1 on CPUs"),
+    ("tutorial_accelerate.py", {"ACCELERATE_USE_CPU": "1"}, None),
+    ("alone.py", {}, "the script never called init_process_group"),
+], ids=["accelerate on CPUs", "accelerate told to use the CPUs", "no process group"])
+def test_ranks_that_trained_alone_are_told_in_one_warning(tmp_path, script, env, warning):
+    """accelerate on CPUs without ACCELERATE_USE_CPU runs every rank as a whole job of its own (each on all the
+    data, each printing its own results) and exits 0: the launcher's last line says so, and why."""
+    (tmp_path / "alone.py").write_text(ALONE)
+    path = str(USER_CODE / script) if script.startswith("tutorial") else script
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", path], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port(), **env)), capture_output=True, text=True,
+                            timeout=RUN_BOUND_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    if warning is None:
+        assert "trained alone" not in result.stderr, result.stderr[-2000:]
+        assert "process 1 of 2: DistributedType.MULTI_CPU" in result.stdout
+    else:
+        assert last == f"warning: every process trained alone, not as one job of 2 ranks ({warning})", last

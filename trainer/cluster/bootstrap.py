@@ -1,0 +1,186 @@
+"""Every worker the launcher's torchrun starts begins here, then runs the program as Python would.
+
+    python -m trainer.cluster.bootstrap my_train.py ARGS      as `python my_train.py ARGS`
+    python -m trainer.cluster.bootstrap -m mypkg.train ARGS   as `python -m mypkg.train ARGS`
+
+Before the program's first line it:
+- ties the worker's life to its launcher: the kernel kills the worker when the launcher dies
+  (PR_SET_PDEATHSIG), and a sentinel process kills the worker's process group (its own children: mp.spawn,
+  DataLoader workers) when the worker dies, so a lost launcher leaves no process training on;
+- registers faulthandler on STACKS_SIGNAL, so the launcher's hang watchdog can read every thread's stack
+  without ptrace (containers rarely allow it);
+- counts each line the program writes to stdout or stderr as progress, for the watchdog;
+- records the worker's pid, then how it ended (workers.py), so the launcher says truthfully what a stop did.
+
+Torch-free, so that it adds nothing to a worker's start but a fork.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+
+from trainer.cluster import workers
+
+SENTINEL_SIGNAL = signal.SIGRTMIN + 5  # the sentinel's parent-death signal: nothing else sends it
+
+
+def _on_parent_death(sig: int) -> bool:
+    """Have the kernel send `sig` to this process when its parent dies (Linux); False where it cannot."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent() -> None:
+    """SIGKILL this worker when the launcher (its parent) dies."""
+    parent = os.getppid()
+    if _on_parent_death(signal.SIGKILL) and os.getppid() != parent:  # it died before the call
+        os._exit(128 + signal.SIGKILL)
+
+
+def start_sentinel() -> None:
+    """A forked process that waits for this worker to end, then kills the worker's process group: children
+    that outlive their worker (mp.spawn's, a script's own) go with it. torchrun starts each worker in a
+    session of its own, so the group is the worker's and nothing else's. The kernel tells the sentinel (a
+    parent-death signal: fork-inherited pipes would keep a wait on a pipe open in the very orphans it is for)."""
+    if os.getpgid(0) != os.getpid():
+        return  # not a group leader (started by hand, or by something else than torchrun): nothing of ours to kill
+    worker = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {SENTINEL_SIGNAL})  # no window between fork and the wait
+    child = os.fork()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {SENTINEL_SIGNAL})
+    if child != 0:
+        return
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # torchrun signals the group: outlive the worker
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {SENTINEL_SIGNAL})
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # hold none of the launcher's pipes open
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        if _on_parent_death(SENTINEL_SIGNAL) and os.getppid() == worker:
+            signal.sigwait({SENTINEL_SIGNAL})
+        os.killpg(worker, signal.SIGKILL)  # the worker is gone; so are we, with the rest of its group
+    finally:
+        os._exit(0)
+
+
+def _joined() -> bool:
+    """This process is in a torch.distributed process group now (read without importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 (torch half-imported, or another torch: say nothing)
+        return False
+
+
+def watch_for_a_process_group() -> None:
+    """Record once this worker joins a process group, so the launcher can say when every rank trained alone
+    (accelerate on CPUs without ACCELERATE_USE_CPU, a script that never called init_process_group). Polled
+    from a daemon thread: often at first (a short script may join and leave within a second), then rarely."""
+    def watch():
+        started = time.monotonic()
+        while not _joined():
+            time.sleep(0.05 if time.monotonic() - started < 30 else 1.0)
+        workers.note(joined=True)
+
+    threading.Thread(target=watch, name="trainer-join-watch", daemon=True).start()
+
+
+FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "transformers")
+
+
+def single_process_frameworks() -> list[str]:
+    """Frameworks that ran this rank as a job of one although the launcher started several: accelerate on
+    CPUs without ACCELERATE_USE_CPU joins torchrun's process group, then trains as DistributedType.NO."""
+    found = []
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    if isinstance(shared, dict) and shared.get("num_processes") == 1 and workers.world_size() > 1:
+        found.append("accelerate")
+    return found
+
+
+def note_the_end(code: int) -> None:
+    facts = {"exit": code, "frameworks": [name for name in FRAMEWORKS if name in sys.modules]}
+    try:
+        facts["single_process"] = single_process_frameworks()
+    except Exception:  # noqa: BLE001 (another framework version: say nothing rather than fail a finished run)
+        pass
+    if _joined():
+        facts["joined"] = True
+    workers.note(**facts)
+
+
+class _Beating:
+    """A text stream that counts each write as progress and is otherwise the stream it wraps."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        workers.progress()
+        return self._stream.write(text)
+
+    def writelines(self, lines):
+        workers.progress()
+        return self._stream.writelines(lines)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def prepare() -> None:
+    folder = workers.agent_dir()
+    if folder is None:
+        return
+    die_with_parent()
+    start_sentinel()
+    rank = workers.this_rank()
+    path = folder / f"rank-{rank}.stacks"
+    path.write_text("")  # a restarted rank's own file; appended to, so the watchdog may empty it between dumps
+    stacks = open(path, "a")  # noqa: SIM115 (open for the process's lifetime)
+    faulthandler.register(workers.STACKS_SIGNAL, file=stacks, all_threads=True)
+    workers.start()
+    sys.stdout, sys.stderr = _Beating(sys.stdout), _Beating(sys.stderr)
+    watch_for_a_process_group()
+
+
+def run(argv: list[str]) -> None:
+    """argv as Python's command line after `python`: a script path or -m and a module, then its arguments."""
+    if argv[:1] == ["-m"]:
+        sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` puts it
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> None:
+    prepare()
+    try:
+        run(sys.argv[1:])
+    except SystemExit as stop:
+        code = stop.code
+        note_the_end(code if isinstance(code, int) else (0 if code is None else 1))
+        raise
+    except BaseException:
+        note_the_end(1)
+        raise
+    note_the_end(0)
+
+
+if __name__ == "__main__":
+    main()
