@@ -106,6 +106,9 @@ def test_stalled_peer_fails_the_survivor_within_the_collective_timeout(tmp_path,
     # blocking call, "Application timeout caused pair closure" in an async one (the stop vote).
     assert survivor and re.search(r"timed out|timeout", survivor[0], re.IGNORECASE), output[-3000:]
     assert f"--collective-timeout, now {COLLECTIVE_TIMEOUT_S} s, sets the wait" in survivor[0]
+    # The survivor asked its host's other rank for its stack: a stopped process cannot answer.
+    assert re.search(r"; rank 1 \(host .+\) did not answer \(stopped, or frozen in the kernel\) \(", survivor[0]), \
+        survivor[0]
     assert error_lines(output)[-1].startswith("error: training failed: rank 0 exited with code 1")
 
 

@@ -25,15 +25,6 @@ USER_CODE = REPO / "tests" / "user_code"
 RUN_BOUND_S = 240  # a whole short run on a loaded 2-core machine; a bound on a hang, not a speed goal
 
 
-@pytest.fixture
-def launches():
-    started: list[Launch] = []
-    yield started
-    for launch in started:
-        if launch.proc.poll() is None:
-            launch.stop_everything()
-
-
 def pids_of(fragment: str) -> list[int]:
     """Processes whose command line holds `fragment` (this test's script path)."""
     found = []
@@ -280,3 +271,42 @@ def test_ranks_that_trained_alone_are_told_in_one_warning(tmp_path, script, env,
         assert "process 1 of 2: DistributedType.MULTI_CPU" in result.stdout
     else:
         assert last == f"warning: every process trained alone, not as one job of 2 ranks ({warning})", last
+
+
+STUCK_ON_THE_API = """
+import time
+
+import torch
+from trainer import api
+
+
+def load_batch(run, step):
+    if run.rank == 1 and step == 3:
+        time.sleep(3600)  # a read that never returns
+    return torch.ones(8, 4)
+
+
+with api.Run(collective_timeout=5, checkpoint_every=0) as run:
+    model = run.wrap(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.resume(model=model, optimizer=optimizer)
+    for step in range(1000):
+        run.backward(model(load_batch(run, step)).sum())
+        run.optimizer_step(optimizer)
+        if run.step():
+            break
+"""
+
+
+def test_a_collective_timeout_names_the_rank_stuck_outside_it(tmp_path, launches):
+    """trainer.api (and the built-in loop): the rank whose collective timed out asks its host's other ranks for
+    their stacks, and its one line names the one that is not in the collective, at its line."""
+    (tmp_path / "api_stuck.py").write_text(STUCK_ON_THE_API)
+    run = Launch(["api_stuck.py"], tmp_path, launcher_env(free_port(), TRAIN_CHECKPOINT_DIR=str(tmp_path / "c"),
+                                                          TRAIN_LOG_DIR=str(tmp_path / "r")))
+    launches.append(run)
+    assert run.wait(RUN_BOUND_S) == 1, run.output()[-4000:]
+    sleeping = next(n for n, text in enumerate(STUCK_ON_THE_API.splitlines(), 1) if "time.sleep(3600)" in text)
+    survivor = [line for line in error_lines(run.output()) if line.startswith("error: collective: ")]
+    assert survivor and re.search(rf"; rank 1 \(host .+\) is not in the collective: stuck at api_stuck\.py:{sleeping} "
+                                  r"in load_batch \(", survivor[0]), run.output()[-3000:]

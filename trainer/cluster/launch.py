@@ -299,9 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_preflight(launch.cfg)
     command = launch.command
     if launch.per_host is not None:
-        print(f"{shlex.join(launch.command[1:3] if launch.command[1] == '-m' else launch.command[1:2])} starts its own processes ({launch.per_host}): running it once on "
-              "this host, without torchrun, with NNODES, NODE_RANK, NPROC_PER_NODE, WORLD_SIZE, MASTER_ADDR and "
-              f"MASTER_PORT in its environment ({SCRIPT_LAUNCH_ENV}=torchrun runs a copy per rank instead)",
+        program = shlex.join(command[1:3] if command[1] == "-m" else command[1:2])
+        print(f"{program} starts its own processes ({launch.per_host}): running it once on this host, without "
+              "torchrun, with NNODES, NODE_RANK, NPROC_PER_NODE, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its "
+              f"environment ({SCRIPT_LAUNCH_ENV}=torchrun runs a copy per rank instead)",
               file=sys.stderr, flush=True)
         os.environ.update(per_host_env(launch.topology))
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)

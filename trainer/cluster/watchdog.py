@@ -30,6 +30,7 @@ FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)
 COLLECTIVE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}",
               f"{os.sep}torch{os.sep}autograd{os.sep}", f"{os.sep}trainer{os.sep}dist{os.sep}")
 LIBRARY = ("site-packages", "dist-packages", "<frozen")
+HOST = socket.gethostname()
 NOISE = re.compile(r'File "(<frozen runpy>|.*trainer/cluster/bootstrap\.py)"')  # how the program was started
 
 
@@ -61,13 +62,13 @@ def in_collective(frames: list[Frame]) -> bool:
     return any(any(part in f.file for part in COLLECTIVE) for f in frames)
 
 
-def stuck_at(frames: list[Frame]) -> Frame | None:
+def stuck_at(frames: list[Frame]) -> Frame:
     """The innermost frame of the user's own code (not the standard library, a package or the trainer's
     bootstrap); else the innermost frame."""
     stdlib = (os.path.dirname(os.__file__),)
     own = [f for f in frames if not any(part in f.file for part in LIBRARY) and not f.file.startswith(stdlib)
            and f"trainer{os.sep}cluster{os.sep}" not in f.file]
-    return (own or frames or [None])[0]
+    return (own or frames)[0]
 
 
 class Progress:
@@ -117,7 +118,6 @@ class Watchdog(threading.Thread):
         self.folder, self.timeout, self.stop = folder, timeout, stop
         self.progress = Progress(folder, store_at)
         self.fired: str | None = None
-        self.host = socket.gethostname()
 
     def run(self) -> None:
         tick = max(0.5, min(5.0, self.timeout / 10))
@@ -133,29 +133,9 @@ class Watchdog(threading.Thread):
                 return
 
     def act(self, running: list[workers.Worker]) -> None:
-        stacks = self.folder
-        for w in running:
-            (stacks / f"rank-{w.rank}.stacks").write_text("")  # this dump only
-            try:
-                os.kill(w.pid, workers.STACKS_SIGNAL)
-            except ProcessLookupError:
-                pass
-        time.sleep(1.0)  # faulthandler writes from its signal handler, in microseconds; a loaded host is slower
-        outside, waiting = [], []
-        for w in running:
-            dump = (stacks / f"rank-{w.rank}.stacks").read_text(errors="replace")
-            frames = main_thread(dump)
-            shown = "\n".join(line for line in dump.strip().splitlines() if not NOISE.search(line))
-            print(f"--- rank {w.rank} (host {self.host}, pid {w.pid}):\n"
-                  + (shown or "(no stack: the process did not answer)"), file=sys.stderr, flush=True)
-            if in_collective(frames):
-                waiting.append(w.rank)
-            else:
-                where = stuck_at(frames)
-                outside.append(f"rank {w.rank} (host {self.host}) is not in the collective: stuck at "
-                               + (where.where() if where else "an unknown place (no stack)"))
+        outside, waiting = probe(self.folder, running, show=True)
         named = "; ".join(outside) if outside else (
-            f"ranks {', '.join(map(str, waiting))} (host {self.host}) wait in a collective: a rank on another "
+            f"ranks {', '.join(map(str, waiting))} (host {HOST}) wait in a collective: a rank on another "
             "host is the stuck one (its host's launcher names it)")
         self.fired = (f"hang: no progress for {self.timeout:g} s (HANG_TIMEOUT): {named}; the stacks are above "
                       "(raise HANG_TIMEOUT for longer silent phases, or 0 turns the watchdog off)")
@@ -165,3 +145,43 @@ class Watchdog(threading.Thread):
                 os.killpg(w.pgid or w.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def probe(folder: Path, running: list[workers.Worker], show: bool) -> tuple[list[str], list[int]]:
+    """Ask these workers for their stacks: (a line for each one not inside a collective, the ranks that are);
+    show: print every rank's stack too."""
+    for w in running:
+        (folder / f"rank-{w.rank}.stacks").write_text("")  # this dump only (the worker appends)
+        try:
+            os.kill(w.pid, workers.STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)  # faulthandler writes from its signal handler, in microseconds; a loaded host is slower
+    outside, waiting = [], []
+    for w in running:
+        dump = (folder / f"rank-{w.rank}.stacks").read_text(errors="replace")
+        frames = main_thread(dump)
+        if show:
+            shown = "\n".join(line for line in dump.strip().splitlines() if not NOISE.search(line))
+            print(f"--- rank {w.rank} (host {HOST}, pid {w.pid}):\n"
+                  + (shown or "(no stack: the process did not answer)"), file=sys.stderr, flush=True)
+        if not frames:  # faulthandler answers from its C handler, GIL or not: only a stopped process is silent
+            outside.append(f"rank {w.rank} (host {HOST}) did not answer (stopped, or frozen in the kernel)")
+        elif in_collective(frames):
+            waiting.append(w.rank)
+        else:
+            where = stuck_at(frames).where()
+            outside.append(f"rank {w.rank} (host {HOST}) is not in the collective: stuck at {where}")
+    return outside, waiting
+
+
+def stuck_peers() -> str | None:
+    """For a worker whose collective just failed: which other ranks of this host are not inside it (None: all
+    are, or there is no launcher's folder to ask through)."""
+    folder = workers.agent_dir()
+    if folder is None:
+        return None
+    me = workers.this_rank()
+    peers = [w for w in workers.read_workers(folder) if w.rank != me and w.exit is None and w.alive]
+    outside, _ = probe(folder, peers, show=False) if peers else ([], [])
+    return "; ".join(outside) or None

@@ -109,6 +109,11 @@ class Worker:
 
     @property
     def alive(self) -> bool:
+        """Running (a zombie torchrun has not reaped yet is not)."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            pass
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:

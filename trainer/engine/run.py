@@ -35,6 +35,7 @@ from trainer.cluster import workers
 from trainer.cluster.supervisor import stop_host_agent
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
+from trainer.cluster.watchdog import stuck_peers
 from trainer.config.settings import TrainConfig, check_gpu_options, flag_name, script_settings
 from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
 from trainer.data.sampling import ResumableSampler
@@ -554,6 +555,8 @@ class Run:
             raise SystemExit(1) from None
         what = collective_failure(exc) if issubclass(exc_type, Exception) else None
         if what is not None:
+            stuck = stuck_peers()  # this host's ranks outside the collective, by their stacks (a second)
+            what = f"{what}; {stuck}" if stuck else what
             print_error(f"collective: {what} (a peer rank died or stalled, or the network between hosts broke; see "
                         f"the other ranks' logs; {self._label('collective_timeout')}, now "
                         f"{self.settings.collective_timeout:g} s, sets the wait)")
