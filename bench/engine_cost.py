@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from bench.results import block_cost, check_counts, cost_parser, describe_machine, now, write_results
+from bench.results import block_cost, check_counts, cost_batches, cost_parser, describe_machine, now, write_results
 from trainer.core.errors import exit_on_usage_error
 
 
@@ -73,14 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_usage_error():
         args = parser.parse_args(argv)
         check_counts(args)
-    import torch
-
     from trainer import api
 
-    torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-               for _ in range(args.steps)]
+    batches = cost_batches(args.steps)
     bare = small_model()
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "RANK", "WORLD_SIZE"))}
     os.environ.clear()

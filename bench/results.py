@@ -81,6 +81,17 @@ def check_counts(args) -> None:
             raise UsageError(setting, f"{value} is below 1", "give 1 or more")
 
 
+def cost_batches(steps: int) -> list:
+    """The paired-cost benches' fixed data (torch on one thread, as the blocks run): `steps` batches of 8
+    samples of 64 features and a label of 10 classes, the same every run."""
+    import torch
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+            for _ in range(steps)]
+
+
 def block_cost(runs: list[dict], costly: str, plain: str, step_ms: float) -> dict:
     """What `costly` adds to `plain`'s step, from their alternating blocks (samples_per_second holds steps per
     second): both median step times, the cost per step with its paired 95% interval, and its share of a

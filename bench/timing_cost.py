@@ -24,7 +24,7 @@ import shlex
 import sys
 import time
 
-from bench.results import block_cost, check_counts, cost_parser, describe_machine, now, write_results
+from bench.results import block_cost, check_counts, cost_batches, cost_parser, describe_machine, now, write_results
 from trainer.core.errors import exit_on_usage_error
 
 
@@ -74,12 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     with exit_on_usage_error():
         args = parser.parse_args(argv)
         check_counts(args)
-        import torch
-
-        torch.set_num_threads(1)
-        generator = torch.Generator().manual_seed(0)
-        batches = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
-                   for _ in range(args.steps)]
+        batches = cost_batches(args.steps)
         copies = {True: one_copy(True, args.log_every), False: one_copy(False, args.log_every)}
         for on in (True, False):  # warm-up: the first step hooks every gradient
             run_block(copies[on], batches, args.log_every)
