@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import sys
 import tempfile
 import time
 
-from bench.results import block_cost, check_counts, cost_batches, cost_parser, describe_machine, now, write_results
+from bench.results import alternate, check_counts, cost_batches, cost_parser, write_cost
 from trainer.core.errors import exit_on_usage_error
 
 
@@ -87,25 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         run.resume(model=model, optimizer=optimizer)
         bare_block(*bare, batches)  # warm-up: first steps allocate the optimizer state
         engine_block(run, forward, optimizer, batches)
-        runs = []
-        for block in range(1, args.blocks + 1):
-            for stack in ("engine", "bare"):
-                seconds = engine_block(run, forward, optimizer, batches) if stack == "engine" else \
-                    bare_block(*bare, batches)
-                runs.append({"round": block, "nproc": 1, "stack": stack,
-                             "samples_per_second": 1.0 / seconds})  # steps per second, for paired_ratios
-    summary = block_cost(runs, "engine", "bare", args.step_ms)
-    step_us, cost_us = summary["step_us"], summary["cost_us"]
-    header = {"command": shlex.join(["python", "-m", "bench.engine_cost", *argv]), "date": now(),
-              "machine": describe_machine()}
-    table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
-             f"- step time, median over {args.blocks} blocks of {args.steps} steps: through the engine "
-             f"{step_us['engine']:.1f} us, bare {step_us['bare']:.1f} us\n"
-             f"- the engine's cost per step: {cost_us['median']:.1f} us (95% interval {cost_us['low']:.1f} to "
-             f"{cost_us['high']:.1f} us)\n"
-             f"- against a {args.step_ms:g} ms step: {summary['share_of_step']['median']:.4%} (interval "
-             f"{summary['share_of_step']['low']:.4%} to {summary['share_of_step']['high']:.4%})\n")
-    write_results(args.out, "engine-cost", header, runs, summary, table)
+        runs = alternate(args.blocks, {"engine": lambda: engine_block(run, forward, optimizer, batches),
+                                       "bare": lambda: bare_block(*bare, batches)})
+    write_cost(args, argv, "bench.engine_cost", runs, "engine", "bare",
+               {"engine": "through the engine", "bare": "bare"}, "the engine's cost")
     return 0
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 from pathlib import Path
 
@@ -90,6 +91,30 @@ def cost_batches(steps: int) -> list:
     generator = torch.Generator().manual_seed(0)
     return [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
             for _ in range(steps)]
+
+
+def alternate(blocks: int, block_of: dict) -> list[dict]:
+    """`blocks` rounds, each running every stack's block once in the given order; block_of[stack]() returns one
+    block's seconds per step. The runs as block_cost and paired_ratios read them (steps per second)."""
+    return [{"round": block, "nproc": 1, "stack": stack, "samples_per_second": 1.0 / run()}
+            for block in range(1, blocks + 1) for stack, run in block_of.items()]
+
+
+def write_cost(args, argv: list[str], module: str, runs: list[dict], costly: str, plain: str,
+               shown: dict[str, str], what: str) -> None:
+    """The paired-cost benches' report: block_cost of `costly` over `plain`, as json and markdown under args.out.
+    shown: each stack as the sentence names it; what: whose cost it is."""
+    summary = block_cost(runs, costly, plain, args.step_ms)
+    step_us, cost_us, share = summary["step_us"], summary["cost_us"], summary["share_of_step"]
+    header = {"command": shlex.join(["python", "-m", module, *argv]), "date": now(), "machine": describe_machine()}
+    table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
+             f"- step time, median over {args.blocks} blocks of {args.steps} steps: {shown[costly]} "
+             f"{step_us[costly]:.1f} us, {shown[plain]} {step_us[plain]:.1f} us\n"
+             f"- {what} per step: {cost_us['median']:.1f} us (95% interval {cost_us['low']:.1f} to "
+             f"{cost_us['high']:.1f} us)\n"
+             f"- against a {args.step_ms:g} ms step: {share['median']:.4%} (interval {share['low']:.4%} to "
+             f"{share['high']:.4%})\n")
+    write_results(args.out, module.rsplit(".", 1)[1].replace("_", "-"), header, runs, summary, table)
 
 
 def block_cost(runs: list[dict], costly: str, plain: str, step_ms: float) -> dict:

@@ -20,11 +20,10 @@ e.g. the 2-process ResNet-18 step of the main harness's run).
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 import time
 
-from bench.results import block_cost, check_counts, cost_batches, cost_parser, describe_machine, now, write_results
+from bench.results import alternate, check_counts, cost_batches, cost_parser, write_cost
 from trainer.core.errors import exit_on_usage_error
 
 
@@ -78,24 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         copies = {True: one_copy(True, args.log_every), False: one_copy(False, args.log_every)}
         for on in (True, False):  # warm-up: the first step hooks every gradient
             run_block(copies[on], batches, args.log_every)
-        runs = []
-        for block in range(1, args.blocks + 1):
-            for on in (True, False):
-                seconds = run_block(copies[on], batches, args.log_every)
-                runs.append({"round": block, "nproc": 1, "stack": "on" if on else "off",
-                             "samples_per_second": 1.0 / seconds})  # steps per second, for paired_ratios
-        summary = block_cost(runs, "on", "off", args.step_ms)
-        step_us, cost_us = summary["step_us"], summary["cost_us"]
-        header = {"command": shlex.join(["python", "-m", "bench.timing_cost", *argv]), "date": now(),
-                  "machine": describe_machine()}
-        table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
-                 f"- step time, median over {args.blocks} blocks of {args.steps} steps: timing on "
-                 f"{step_us['on']:.1f} us, off {step_us['off']:.1f} us\n"
-                 f"- step timing's cost per step: {cost_us['median']:.1f} us (95% interval "
-                 f"{cost_us['low']:.1f} to {cost_us['high']:.1f} us)\n"
-                 f"- against a {args.step_ms:g} ms step: {summary['share_of_step']['median']:.4%} (interval "
-                 f"{summary['share_of_step']['low']:.4%} to {summary['share_of_step']['high']:.4%})\n")
-        write_results(args.out, "timing-cost", header, runs, summary, table)
+        runs = alternate(args.blocks, {"on": lambda: run_block(copies[True], batches, args.log_every),
+                                       "off": lambda: run_block(copies[False], batches, args.log_every)})
+        write_cost(args, argv, "bench.timing_cost", runs, "on", "off", {"on": "timing on", "off": "off"},
+                   "step timing's cost")
     return 0
 
 
