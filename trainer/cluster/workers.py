@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.core.files import atomic_file
+
 AGENT_DIR_ENV = "TRAINER_AGENT_DIR"
 # The signal that asks a worker for its stacks: a real-time one, which no framework the seeds use claims
 # (Lightning's Slurm requeue takes SIGUSR1, some profilers SIGUSR2, SIGPROF).
@@ -43,10 +45,10 @@ def world_size() -> int:
 
 
 def _write(path: Path, facts: dict) -> None:
-    """Whole or not at all: the supervisor may read while a worker writes."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(facts))
-    os.replace(tmp, path)
+    """Whole or not at all: the supervisor may read while a worker writes (not durable: the folder lives as long
+    as the job)."""
+    with atomic_file(path, "w", durable=False) as f:
+        f.write(json.dumps(facts))
 
 
 def start() -> None:
