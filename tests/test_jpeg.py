@@ -186,6 +186,41 @@ def test_gpu_path_on_cpu_tensors_shows_the_cpu_paths_views(tmp_path, caplog):
     assert len(warnings) == 1 and str(tmp_path) in warnings[0].getMessage()
 
 
+def test_a_device_decoder_that_fails_on_trial_moves_the_run_to_the_cpu(tmp_path, caplog, monkeypatch):
+    """--decode gpu with a decoder that fails (here torchvision's decode_jpeg raising as one built without
+    nvJPEG does): the first batches fall back to the CPU with one warning, and every later batch shows the
+    same views the working path shows; once the device's decode has passed its trial, a failure is raised."""
+    import torchvision.io
+
+    write_jpeg_folder(tmp_path, per_class={"train": 6}, size=(120, 90))
+    keys = [(i, 1) for i in range(12)]
+    batches = [keys[i:i + 3] for i in range(0, len(keys), 3)]
+    working = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=2)
+    expected = list(working.stage([working.collate([working[k] for k in b]) for b in batches], CPU))
+    real_decode = torchvision.io.decode_jpeg
+
+    def no_nvjpeg(*args, **kwargs):
+        raise RuntimeError("torchvision was not compiled with nvJPEG support")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", no_nvjpeg)
+    failing = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=2)
+    with caplog.at_level(logging.WARNING, logger="trainer.data.jpeg"):
+        got = list(failing.stage([failing.collate([failing[k] for k in b]) for b in batches], CPU))
+    warned = [r.getMessage() for r in caplog.records if "--decode gpu" in r.getMessage()]
+    assert len(warned) == 1 and "failed in batch 1 (torchvision was not compiled with nvJPEG" in warned[0], warned
+    assert failing.on_cpu_instead and len(got) == len(expected) == 4
+    for (images, labels), (want, want_labels) in zip(got, expected):
+        assert labels.tolist() == want_labels.tolist() and mean_abs(images, want) < 1.0
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", real_decode)
+    tried = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=2)
+    list(tried.stage([tried.collate([tried[k] for k in b]) for b in batches], CPU))
+    assert tried.decoded_on_device == 4 == jpeg.GpuImageFolder.TRIAL_BATCHES and not tried.on_cpu_instead
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", no_nvjpeg)
+    with pytest.raises(RuntimeError, match="nvJPEG"):
+        list(tried.stage([tried.collate([tried[k] for k in batches[0]])], CPU))
+
+
 def test_gpu_path_batches_through_workers_keep_the_keys(tmp_path):
     """Through Batches and a real DataLoader worker: views depend on (seed, epoch, index), not on the batch."""
     write_jpeg_folder(tmp_path, per_class={"train": 6}, size=(120, 90))

@@ -309,6 +309,13 @@ class GpuImageFolder(ImageFolderWithKeys):
             torch.tensor(cpu, dtype=torch.long), torch.tensor([s[2] for s in samples], dtype=torch.long),
             [samples[i][3] for i in gpu], samples[cpu[0]][3] if cpu else "")
 
+    # The device's decode is on trial for its first batches: a failure there (a torchvision without nvJPEG,
+    # a driver error) moves the run to decoding on the CPU, with one warning, a slower run instead of a lost
+    # one. Once it has worked, a failure is raised: it is an error of the run, not the path's absence.
+    TRIAL_BATCHES = 4
+    decoded_on_device = 0
+    on_cpu_instead = ""  # why the run decodes on the CPU ("" while the device decodes)
+
     def stage(self, loader, device: torch.device):
         """The loader's FileBatches as (uint8 images, labels) on the device, one batch decoded ahead on a
         side stream (so it overlaps the step the training loop runs meanwhile)."""
@@ -317,7 +324,7 @@ class GpuImageFolder(ImageFolderWithKeys):
         pending = None
         for batch in loader:
             with torch.cuda.stream(stream) if cuda else _no_stream():
-                ready = decode_views(batch, device, self.side)
+                ready = self._views(batch, device)
                 event = torch.cuda.Event() if cuda else None
                 if event is not None:
                     event.record(stream)
@@ -328,6 +335,26 @@ class GpuImageFolder(ImageFolderWithKeys):
             pending = (ready, event)
         if pending is not None:
             yield _handed_over(*pending)
+
+
+    def _views(self, batch: FileBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.on_cpu_instead:
+            try:
+                ready = decode_views(batch, device, self.side)
+            except UnreadableImage:
+                raise
+            except Exception as err:  # noqa: BLE001 (whatever the device's decode raises, on trial)
+                if self.decoded_on_device >= self.TRIAL_BATCHES:
+                    raise
+                self.on_cpu_instead = first_line(err)
+                log.warning("--decode gpu: the device's decode failed in batch %d (%s): this run decodes on the "
+                            "CPU instead, in the training process (--decode cpu decodes in the loader's workers, "
+                            "faster)", self.decoded_on_device + 1, self.on_cpu_instead)
+            else:
+                self.decoded_on_device += 1
+                return ready
+        images, labels = views_on_cpu(batch, self.side)
+        return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
 class _no_stream:
@@ -403,20 +430,35 @@ def decode_views(batch: FileBatch, device: torch.device, side: int) -> tuple[tor
     return images, batch.labels.to(device, non_blocking=True)
 
 
+def views_on_cpu(batch: FileBatch, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_views without the device's decoder: PIL decodes, the CPU crops (the same boxes and flips)."""
+    images = torch.empty(len(batch.labels), 3, side, side, dtype=torch.uint8)
+    if len(batch.on_cpu):
+        images[batch.on_cpu] = batch.viewed
+    if batch.lengths:
+        decoded = [decode_on_cpu(data.numpy().tobytes(), path) for data, path in zip(batch.encoded, batch.paths)]
+        images[batch.on_gpu] = resized_crops(decoded, batch.boxes, batch.flips, side)
+    return images, batch.labels
+
+
 def decode_jpegs(encoded: list[torch.Tensor], paths: list[str], device: torch.device) -> list[torch.Tensor]:
     """Batched decode; a batch nvJPEG refuses as a whole is decoded one by one, and a file it refuses
-    alone is decoded by PIL (or named, if PIL cannot either)."""
+    alone is decoded by PIL (or named, if PIL cannot either). When it refuses every file of a batch of
+    several, the decoder is what fails, not the files: that is raised."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:
         pass
-    images = []
+    images, refused, first_error = [], 0, None
     for data, path in zip(encoded, paths):
         try:
             images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
-        except RuntimeError:
+        except RuntimeError as err:
+            refused, first_error = refused + 1, first_error or err
+            if refused == len(encoded) > 1:
+                raise first_error
             _warn_once(path, "a JPEG nvJPEG cannot decode: decoded on the CPU")
             images.append(decode_on_cpu(data.numpy().tobytes(), path).to(device))
     return images
