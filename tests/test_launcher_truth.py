@@ -137,10 +137,12 @@ def test_a_killed_launcher_takes_its_workers_and_their_children_along(tmp_path, 
     wait_until(lambda: not [pid for pid in started if running(pid)], 10, "every process it started to be gone")
 
 
-def test_when_one_hosts_launcher_dies_the_other_stops_at_once(tmp_path, launches):
-    """Two launcher nodes; node 1's launcher SIGKILLed mid-run: its worker dies with it, node 0's ranks lose
-    their peer at the next collective and node 0 exits non-zero well within the collective timeout, with
-    no exit-barrier wait and no DistStoreError pages."""
+@pytest.mark.parametrize("lost", [1, 0], ids=["a worker host", "the rendezvous host"])
+def test_when_one_hosts_launcher_dies_the_other_stops_at_once_naming_it(tmp_path, launches, lost):
+    """Two launcher nodes; one launcher SIGKILLed mid-run: its worker dies with it, the other node's rank loses
+    its peer at the next collective and that node exits non-zero well within the collective timeout, naming
+    the host that went away (node 0 is the one whose store the rendezvous lives in), with no exit-barrier
+    wait and no DistStoreError pages."""
     port = free_port()
     nodes = []
     for node in (0, 1):
@@ -151,16 +153,24 @@ def test_when_one_hosts_launcher_dies_the_other_stops_at_once(tmp_path, launches
     wait_until(lambda: (tmp_path / "n0" / "checkpoints").is_dir() and
                any((tmp_path / "n0" / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
                f"a first checkpoint\n{nodes[0].output()[-2000:]}")
-    worker = nodes[1].workers()[1]
-    os.kill(nodes[1].pid, signal.SIGKILL)
+    worker = nodes[lost].workers()[lost]
+    os.kill(nodes[lost].pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_until(lambda: not running(worker), 10, "node 1's worker to die with its launcher")
-    code = nodes[0].wait(60)
+    wait_until(lambda: not running(worker), 10, f"node {lost}'s worker to die with its launcher")
+    survivor = nodes[1 - lost]
+    code = survivor.wait(60)
     assert code != 0
     assert time.monotonic() - killed_at < 60
-    output = nodes[0].output()
+    output = survivor.output()
     assert "DistStoreError" not in output, output[-3000:]
-    assert error_lines(output)[-1].startswith("error: training failed: rank 0 exited with code 1"), output[-3000:]
+    last = error_lines(output)[-1]
+    if lost == 1:
+        assert last.startswith(f"error: training failed: node 1 (host {socket.gethostname()}) went away (its "
+                               "launcher stopped answering the rendezvous store"), output[-3000:]
+        assert last.endswith("; rank 0 exited with code 1 when it lost its peers"), last
+    else:
+        assert last.startswith("error: training failed: the rendezvous host 127.0.0.1 went away (its store at "
+                               f"127.0.0.1:{port} stopped answering"), output[-3000:]
 
 
 # ------------------------------------------------------------------ hangs are named

@@ -105,13 +105,16 @@ def test_two_namespaces_train_together_fail_fast_when_the_link_is_cut_and_resume
 
     hosts[1].link("down")
     cut_at = time.monotonic()
-    for node in nodes:
+    # Each side names the other as gone: node 0 the host whose launcher stopped answering, node 1 the
+    # rendezvous host (node 0, whose store it can no longer reach).
+    gone = ["error: training failed: node 1 (host ", f"error: training failed: the rendezvous host {hosts[0].address}"]
+    for node, expected in zip(nodes, gone):
         assert node.wait(COLLECTIVE_TIMEOUT_S + SLACK_S) != 0
         output = node.output()
         assert "Traceback" not in output, output[-4000:]
         errors = error_lines(output)
         assert any(line.startswith("error: collective: ") for line in errors), output[-3000:]
-        assert errors[-1].startswith("error: training failed: rank "), output[-3000:]
+        assert errors[-1].startswith(expected) and " went away (" in errors[-1], output[-3000:]
     assert time.monotonic() - cut_at < COLLECTIVE_TIMEOUT_S + SLACK_S
     committed = checkpoint_steps(checkpoints)[-1]
     assert not checkpoint_files(tmp_path / "node1" / "checkpoints")  # rank 0's host holds them all

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from trainer.cluster import workers
+from trainer.cluster import presence, workers
 from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT, Watchdog
 from trainer.core.errors import UsageError, print_error
 
@@ -58,9 +58,9 @@ def _root_cause_first(item: tuple) -> tuple:
     return failure.timestamp, kind, observed
 
 
-def describe_child_failure(failures: dict) -> tuple[str, int]:
+def describe_child_failure(failures: dict, gone: str | None = None) -> tuple[str, int]:
     """(message, exit code) for torchrun's ChildFailedError.failures: {global rank: ProcessFailure}, in the
-    order torchrun observed them."""
+    order torchrun observed them; `gone`: the hosts that went away meanwhile (trainer.cluster.presence)."""
     (rank, failure), _ = min(zip(failures.items(), range(len(failures))), key=_root_cause_first)
     code = failure.exitcode
     if code < 0:
@@ -69,6 +69,8 @@ def describe_child_failure(failures: dict) -> tuple[str, int]:
         how = f"exited with code {code}"
     others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     where = "its own error is printed above" if code > 0 else "the signal came from outside the trainer"
+    if gone:
+        return f"training failed: {gone}; rank {rank} {how}{others} when it lost its peers", (code if code > 0 else 1)
     return f"training failed: rank {rank} {how}{others}; {where}", (code if code > 0 else 1)
 
 
@@ -184,16 +186,41 @@ def hang_timeout(env: Mapping[str, str]) -> int:
         return DEFAULT_HANG_TIMEOUT
 
 
+def store_at(args: list[str]) -> tuple[str, int] | None:
+    """torchrun's rendezvous store, on a job of several hosts (None on one host)."""
+    several_hosts = _arg(args, "nnodes", "1") not in ("1", "1:1")
+    port = _arg(args, "master-port")
+    return (_arg(args, "master-addr"), int(port)) if several_hosts and port.isdigit() else None
+
+
 def start_watchdog(folder: Path, args: list[str]) -> Watchdog | None:
     timeout = hang_timeout(os.environ)
     if not timeout:
         return None
-    several_hosts = _arg(args, "nnodes", "1") not in ("1", "1:1")
-    port = _arg(args, "master-port")
-    store_at = (_arg(args, "master-addr"), int(port)) if several_hosts and port.isdigit() else None
-    dog = Watchdog(folder, timeout, store_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    dog = Watchdog(folder, timeout, store_at(args), lambda: os.kill(os.getpid(), signal.SIGTERM))
     dog.start()
     return dog
+
+
+def start_presence(args: list[str]) -> presence.Presence | None:
+    where = store_at(args)
+    if where is None:
+        return None
+    beat = presence.Presence(where, presence.label(_arg(args, "node-rank", "")))
+    beat.start()
+    return beat
+
+
+def end_presence(beat: presence.Presence | None, why: str, args: list[str], failed: bool) -> str | None:
+    """This launcher leaves the store's roll; after a failure, first: which hosts went away (a clause, or None).
+    The store's own host (node 0) stays until the others have looked: its store is what they look in."""
+    if beat is None:
+        return None
+    gone = beat.verdict() if failed else None
+    beat.leave(why)
+    if _arg(args, "node-rank", "") == "0":
+        beat.linger()
+    return gone
 
 
 PER_HOST = "--per-host"
@@ -267,16 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     with agent_folder() as folder:
         os.environ[workers.AGENT_DIR_ENV] = folder
         dog = start_watchdog(Path(folder), args)
+        beat = start_presence(args)
         try:
             run(config)
         except ChildFailedError as err:
             if dog is not None and dog.fired:  # the agent saw the killed workers before the stop
+                end_presence(beat, "failed", args, failed=False)
                 print_error(dog.fired)
                 return 1
-            message, code = describe_child_failure(err.failures)
+            # err's traceback holds torchrun's agent, and with it the store node 0 hosts: still up here.
+            gone = end_presence(beat, "failed", args, failed=True)
+            message, code = describe_child_failure(err.failures, gone)
             print_error(message)
             return code
         except SignalException as err:
+            end_presence(beat, "stopped", args, failed=False)
             if dog is not None and dog.fired:
                 print_error(dog.fired)
                 return 1
@@ -285,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             print(message, file=sys.stderr, flush=True)
             return code
         except (RendezvousError, DistError, TimeoutError) as err:
+            started = beat is not None and beat.slot is not None
+            gone = end_presence(beat, "failed", args, failed=started)
+            if gone:
+                print_error(f"training failed: {gone}")
+                return 1
             detail = " ".join(str(err).split())[:300]
             fix = rendezvous_fix(os.environ)
             if "address already in use" in detail.lower() or "EADDRINUSE" in detail:
@@ -293,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                        "unset and the launcher takes a free one)")
             print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({fix})")
             return 1
+        end_presence(beat, "done", args, failed=False)
         alone = workers.trained_alone(workers.read_workers(Path(folder)), world_size(args))
         if alone is not None:
             print(alone, file=sys.stderr, flush=True)

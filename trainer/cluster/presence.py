@@ -1,0 +1,122 @@
+"""Which host went away: every launcher of a multi-host job beats in the rendezvous store while its workers
+run, so when a rank loses its peers, its host's launcher can say whose launcher stopped answering.
+
+A collective error only names a peer's address (gloo: `Connection closed by peer [10.0.0.2]:41234`, or a
+timeout with none). Each launcher takes a slot in torchrun's own store (no port of our own), writes its name
+there, and adds to its slot's counter twice a second; one that ends on its own marks its slot as left. When
+this host's ranks fail, the launcher watches the counters for a few seconds: a slot that neither moves nor
+left is a host that went away (its launcher killed, its machine or its network gone). A store that stops
+answering is the rendezvous host itself going away. Counters, not clocks: hosts' clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+BEAT_S = 0.5
+SETTLE_S = 3.0  # six beats: a live launcher, even a loaded one, moves its counter within it
+STORE_S = 2  # a store operation that takes longer is the store gone
+PREFIX = "trainer-hosts"
+
+
+class Presence(threading.Thread):
+    """Started by the supervisor before torchrun's agent on a multi-host job; `verdict()` after a failure."""
+
+    def __init__(self, store_at: tuple[str, int], label: str):
+        super().__init__(name="host-presence", daemon=True)
+        self.store_at, self.label = store_at, label
+        self.slot: int | None = None
+        self.answered = 0.0  # monotonic time of the store's last answer to a beat
+        self._beating = None  # this thread's client; the caller's is its own (a blocked beat blocks no verdict)
+        self._asking = None
+        self._done = threading.Event()
+
+    def _client(self):
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        return TCPStore(self.store_at[0], self.store_at[1], is_master=False, timeout=timedelta(seconds=STORE_S),
+                        wait_for_workers=False)
+
+    def _ask(self):
+        if self._asking is None:
+            self._asking = self._client()
+        return self._asking
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            try:
+                if self._beating is None:
+                    self._beating = self._client()
+                if self.slot is None:
+                    slot = int(self._beating.add(f"{PREFIX}/count", 1))
+                    self._beating.set(f"{PREFIX}/{slot}/name", self.label)
+                    self.slot = slot
+                self._beating.add(f"{PREFIX}/{self.slot}/beat", 1)
+                self.answered = time.monotonic()
+            except Exception:  # noqa: BLE001 (not up yet, or gone: verdict() says which when it matters)
+                self._beating = None
+            self._done.wait(BEAT_S)
+
+    def _store_silent(self) -> bool:
+        """The store stopped answering this host's beats a while ago (not merely between two of them)."""
+        return self.slot is not None and time.monotonic() - self.answered > 4 * BEAT_S + STORE_S
+
+    def leave(self, why: str) -> None:
+        """This launcher ends on its own: its slot is not a host that went away."""
+        self._done.set()
+        if self.slot is None or self._store_silent():
+            return
+        try:
+            self._ask().set(f"{PREFIX}/{self.slot}/left", why)
+        except Exception:  # noqa: BLE001 (the store's host is gone: nobody is left to read it)
+            pass
+
+    def linger(self) -> None:
+        """Until every other slot has left, or SETTLE_S and a beat more: the store this process hosts must
+        outlive the others' verdicts, or they would take its end for the rendezvous host going away."""
+        deadline = time.monotonic() + SETTLE_S + BEAT_S
+        while time.monotonic() < deadline:
+            try:
+                store = self._ask()
+                count = int(store.add(f"{PREFIX}/count", 0))
+                if all(store.check([f"{PREFIX}/{s}/left"]) for s in range(1, count + 1)):
+                    return
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(BEAT_S / 2)
+
+    def verdict(self) -> str | None:
+        """After this host's ranks failed: which hosts went away, in a clause, or None (none did, or unknown)."""
+        host, port = self.store_at
+        gone_store = (f"the rendezvous host {host} went away (its store at {host}:{port} stopped answering: its "
+                      "launcher, its machine or the network to it is gone)")
+        if self._store_silent():
+            return gone_store
+        try:
+            store = self._ask()
+            count = int(store.add(f"{PREFIX}/count", 0))
+            others = [s for s in range(1, count + 1) if s != self.slot]
+            first = {s: int(store.add(f"{PREFIX}/{s}/beat", 0)) for s in others}
+            quiet = set(others)
+            deadline = time.monotonic() + SETTLE_S
+            while quiet and time.monotonic() < deadline:
+                time.sleep(BEAT_S / 2)
+                for s in list(quiet):
+                    if store.check([f"{PREFIX}/{s}/left"]) or int(store.add(f"{PREFIX}/{s}/beat", 0)) != first[s]:
+                        quiet.discard(s)
+            names = [store.get(f"{PREFIX}/{s}/name").decode() for s in sorted(quiet)]
+        except Exception:  # noqa: BLE001 (the store itself stopped answering: its host is the one that went)
+            return gone_store
+        if not names:
+            return None
+        return (f"{' and '.join(names)} went away (its launcher stopped answering the rendezvous store "
+                f"for {SETTLE_S:g} s: the launcher, its machine or the network to it is gone)")
+
+
+def label(node_rank: str) -> str:
+    host = socket.gethostname()
+    return f"node {node_rank} (host {host})" if node_rank.isdigit() else f"host {host}"
