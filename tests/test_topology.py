@@ -294,10 +294,18 @@ def launch(args, env, cwd: Path, timeout: float = BAD_INPUT_TIMEOUT_S) -> subpro
 
 BAD_INPUT = {
     "NNODES not a number": ({"NNODES": "two"}, "NNODES (explicit): 'two' is not an integer"),
-    "PET_NNODES elastic range": (trainer_v2(0) | {"PET_NNODES": "1:4"}, "PET_NNODES (torchrun-env): '1:4' is an "
-                                 "elastic node range, which this trainer does not support"),
-    "PyTorchJob elastic range": (pytorchjob_v1(0) | {"PET_NNODES": "2:4"}, "PET_NNODES (pytorchjob): '2:4' is an "
-                                 "elastic node range"),
+    "elastic range backwards": ({"NNODES": "2:1", "MASTER_ADDR": "10.0.0.1"}, "NNODES (explicit): '2:1' runs "
+                                "backwards: MIN 2 is above MAX 1"),
+    "elastic range from 0": ({"NNODES": "0:2", "MASTER_ADDR": "10.0.0.1"}, "NNODES (explicit): '0:2' lets the job "
+                             "run on 0 hosts"),
+    "elastic range with NODE_RANK": ({"NNODES": "1:2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"},
+                                     "NODE_RANK (explicit): sets a node rank, but with NNODES=1:2 the rendezvous "
+                                     "assigns them"),
+    "elastic range beside a fixed count": ({"NNODES": "2", "PET_NNODES": "1:2", "MASTER_ADDR": "10.0.0.1"},
+                                           "PET_NNODES (torchrun-env): the elastic range '1:2' contradicts NNODES=2"),
+    "elastic range under Slurm": (srun_per_node(0) | {"NNODES": "1:2"}, "NNODES (explicit): '1:2' asks for elastic "
+                                  "membership, but a Slurm allocation has a fixed set of nodes"),
+    "elastic range without MASTER_ADDR": ({"NNODES": "1:2"}, "MASTER_ADDR (explicit): is required when NNODES=1:2"),
     "PET_RDZV_BACKEND": (trainer_v2(0) | {"PET_RDZV_BACKEND": "c10d"}, "PET_RDZV_BACKEND (torchrun-env): asks "
                          "torchrun for elastic rendezvous"),
     "PET_NODE_RANK not a number": (trainer_v2(0) | {"PET_NODE_RANK": "first", "JOB_COMPLETION_INDEX": ""},
@@ -496,3 +504,44 @@ def test_slurm_explicit_master_addr_wins_in_a_real_run(tmp_path):
     roots = two_launchers(tmp_path, envs)
     assert_one_world_of_four_with_rank_0_on_node_0(roots, 512)
     assert "(source: explicit+slurm)" in (roots[0] / "node0.log").read_text()
+
+
+# ------------------------------------------------------------------ elastic membership (NNODES=MIN:MAX)
+
+@pytest.mark.parametrize("env, endpoint", [
+    ({"NNODES": "1:2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}, "10.0.0.1:29400"),
+    # Kubeflow's elastic PyTorchJob / TrainJob pod: the range, the c10d endpoint and the pod's index, which the
+    # rendezvous's node rank replaces.
+    (trainer_v2(1) | {"PET_NNODES": "1:4", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-0.job:29400"},
+     "job-0.job:29400"),
+], ids=["NNODES", "Kubeflow PET_NNODES"])
+def test_an_elastic_range_runs_torchruns_c10d_rendezvous_and_dry_run_shows_it(tmp_path, env, endpoint):
+    # 1:4 hosts of 2 processes: a global batch every world size (2, 4, 6, 8) divides
+    result = launch(["--dry-run", "--model", "cnn"], env | {"NPROC_PER_NODE": "2", "PET_NPROC_PER_NODE": "",
+                                                            "TRAIN_GLOBAL_BATCH_SIZE": "48"}, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout)
+    low, high = (1, 2) if "NNODES" in env else (1, 4)
+    assert facts["nnodes"] == f"{low}:{high}" and (facts["min_nodes"], facts["max_nodes"]) == (low, high)
+    assert facts["world_sizes"] == [2 * n for n in range(low, high + 1)]
+    assert facts["node_rank"] == "assigned by the rendezvous"
+    command = facts["command"]
+    assert f"--nnodes={low}:{high}" in command and "--rdzv-backend=c10d" in command
+    assert f"--rdzv-endpoint={endpoint}" in command and not any(a.startswith("--node-rank") for a in command)
+    assert "--max-restarts=10" in command  # each lost or returning host is a restart
+
+
+def test_an_elastic_global_batch_every_world_size_must_divide(tmp_path):
+    env = {"NNODES": "1:3", "MASTER_ADDR": "10.0.0.1", "NPROC_PER_NODE": "1", "TRAIN_GLOBAL_BATCH_SIZE": "4"}
+    result = launch(["--model", "cnn"], env, tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: TRAIN_GLOBAL_BATCH_SIZE: 4 is not divisible by world size 3 x grad-accum 1, a world size this "
+        "elastic job may shrink to (NNODES=1:3) (use a multiple of 6, which every world size of NNODES=1:3 x "
+        "grad-accum divides)"], result.stderr
+    assert files_under(tmp_path) == set()
+    derived = launch(["--model", "cnn", "--batch-size", "64"], {"NNODES": "1:4", "MASTER_ADDR": "10.0.0.1",
+                                                                 "NPROC_PER_NODE": "2"}, tmp_path)
+    assert derived.returncode == 2 and derived.stderr.strip().splitlines() == [
+        "error: --batch-size: 64 per process makes a global batch of 512 at world size 8, which world size 6 of "
+        "NNODES=1:4 does not divide (an elastic job keeps its global batch at every size) (set --global-batch-size "
+        "to a multiple of 24, e.g. 504 or 528)"], derived.stderr

@@ -158,7 +158,7 @@ def test_src_dir_and_user_code_settings_pass_through(compose_cli, name, tmp_path
 def test_multinode_defaults_and_passthrough(compose_cli):
     config, _ = compose_config(compose_cli, MULTINODE_FILE, "--profile", "gpu")
     env = config["services"]["trainer"]["environment"]
-    assert env["NNODES"] == "2" and env["NODE_RANK"] == "0" and env["MASTER_ADDR"] == ""
+    assert env["NNODES"] == "2" and env["NODE_RANK"] == "" and env["MASTER_ADDR"] == ""
     config, _ = compose_config(compose_cli, MULTINODE_FILE, "--profile", "gpu", NODE_RANK="3", NNODES="4",
                                MASTER_ADDR="10.0.0.1", NCCL_SOCKET_IFNAME="eth1", GLOO_SOCKET_IFNAME="eth1",
                                NCCL_DEBUG="INFO", NCCL_IB_DISABLE="1")

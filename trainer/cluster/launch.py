@@ -6,6 +6,9 @@
     trainer-launch --dry-run [...]             print the resolved topology and the command as JSON; start nothing
 
     NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
+    NNODES=MIN:MAX  elastic membership: torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT assigns node
+                 ranks (no NODE_RANK); a lost host's peers go on from the newest checkpoint with as few as MIN
+                 hosts and the same global batch, and a host that returns joins (MAX_RESTARTS then 10)
     MASTER_ADDR (127.0.0.1 on one node; required on several)
     MASTER_PORT (29500 on several nodes; unset on one node: a free port, as torchrun --standalone takes)
     or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -48,6 +52,7 @@ from trainer.cluster.topology import Topology, env_int
 from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT
 from trainer.config.catalog import importable_as_python_m
 from trainer.config.settings import (
+    ELASTIC_WORLD_ENV,
     FALSE_WORDS,
     LAUNCHER_VARIABLES,
     TRUE_WORDS,
@@ -59,6 +64,9 @@ from trainer.config.settings import (
 from trainer.core.errors import UsageError, exit_on_usage_error, first_line, print_error
 
 DEFAULT_RDZV_TIMEOUT = 900
+DEFAULT_ELASTIC_RESTARTS = 10  # each lost or returning host is one restart of every host's workers
+ELASTIC_RDZV_ID = "trainer"
+ELASTIC_LAST_CALL_S = 5
 SCRIPT_ENV = "TRAIN_SCRIPT"
 assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs accepts it
 BUILTIN = ("-m", "trainer")
@@ -198,7 +206,22 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
 
 def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[str] = BUILTIN,
                      max_restarts: int = 0, rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT) -> list[str]:
-    """Static rendezvous at MASTER_ADDR:MASTER_PORT: the node rank decides the ranks, so rank 0 is on node 0."""
+    """Static rendezvous at MASTER_ADDR:MASTER_PORT: the node rank decides the ranks, so rank 0 is on node 0.
+    Elastic (NNODES=MIN:MAX): torchrun's c10d rendezvous there, which assigns node ranks at every round."""
+    if topology.elastic:
+        return [
+            "torchrun",
+            f"--nnodes={topology.node_range}",
+            f"--nproc-per-node={topology.nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={topology.master_addr}:{topology.master_port}",
+            f"--rdzv-id={ELASTIC_RDZV_ID}",
+            f"--max-restarts={max_restarts}",
+            # last_call: how long a round waits for more hosts once MIN are in; short, so a lost host costs
+            # seconds. A host that comes later joins the next round (the running hosts stop for it).
+            f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S}",
+            *target, *args,
+        ]
     return [
         "torchrun",
         f"--nnodes={topology.nnodes}",
@@ -224,14 +247,14 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
     # All but the world-size checks, before counting GPUs (which may import torch).
     options = load_config(list(program.args), env, world_size=1) if program.builtin else None
     topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
-    if pick_port and topology.mode == topo.TORCHRUN and topology.nnodes == 1 and \
+    if pick_port and topology.mode == topo.TORCHRUN and topology.nnodes == 1 and not topology.elastic and \
             topology.sources.get("master_port", "default") == "default":
         topology = replace(topology, master_port=free_port(),
                            sources={**topology.sources, "master_port": "a free port (one host, MASTER_PORT unset)"})
     if topology.mode == topo.DIRECT:  # this process is one rank already: no torchrun
         command = single_worker_command(program.args, program.target)
     else:
-        max_restarts = env_int(env, "MAX_RESTARTS", 0, 0)
+        max_restarts = env_int(env, "MAX_RESTARTS", DEFAULT_ELASTIC_RESTARTS if topology.elastic else 0, 0)
         env_int(env, "HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT, 0)  # the supervisor's watchdog reads it
         rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
         command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
@@ -246,6 +269,28 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
     if topology.mode == topo.TORCHRUN:
         # The worker's own check, before torchrun starts ranks that would each fail with it.
         check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, topology.world_size)
+    if topology.elastic:  # every world size the job may shrink to must take the settings (the global batch)
+        env = {**env, ELASTIC_WORLD_ENV: str(topology.world_size)}
+        sizes = [nodes * topology.nproc_per_node for nodes in range(topology.min_nodes, topology.nnodes + 1)]
+        for size in sizes:
+            try:
+                load_config(list(program.args), env, world_size=size)
+            except UsageError as err:
+                setting, problem, fix = err.parts
+                every = math.lcm(*sizes) * options.grad_accum
+                if setting.startswith("the elastic job's global batch"):  # derived from --batch-size
+                    total = options.batch_size * topology.world_size * options.grad_accum
+                    near = sorted({max(every, total // every * every), -(-total // every) * every})
+                    raise UsageError(setting.split("(")[1].split(" at ")[0], f"{options.batch_size} per process "
+                                     f"makes a global batch of {total} at world size {topology.world_size}, which "
+                                     f"world size {size} of NNODES={topology.node_range} does not divide (an elastic "
+                                     "job keeps its global batch at every size)", "set --global-batch-size to a "
+                                     f"multiple of {every}, e.g. {' or '.join(map(str, near))}") from None
+                if "global_batch" in setting.lower().replace("-", "_"):
+                    fix = (f"use a multiple of {every}, which every world size of NNODES={topology.node_range} "
+                           "x grad-accum divides")
+                raise UsageError(setting, f"{problem}, a world size this elastic job may shrink to "
+                                 f"(NNODES={topology.node_range})", fix) from None
     return Launch(command, topology, load_config(list(program.args), env, world_size=topology.world_size))
 
 
@@ -292,8 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
             return 0
         preflight = preflight_enabled(os.environ)
-        if launch.topology.mode == topo.TORCHRUN:
+        if launch.topology.mode == topo.TORCHRUN and not launch.topology.elastic:  # c10d: any host may host it
             ensure_master_port_free(launch.topology)
+        if launch.topology.elastic:
+            os.environ[ELASTIC_WORLD_ENV] = str(launch.topology.world_size)
+            # torch's shared rendezvous store publishes the workers' MASTER_ADDR only in a node's first round,
+            # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
+            # trips an AssertionError): every round publishes its own without the sharing.
+            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     print(launch.topology.summary(), file=sys.stderr, flush=True)
     if preflight:
         run_preflight(launch.cfg)

@@ -107,6 +107,7 @@ class _FailureLines(logging.Filter):
     def __init__(self, args: list[str]):
         super().__init__()
         self.max_restarts = int(_arg(args, "max-restarts", "0"))
+        self.nodes = _arg(args, "nnodes", "1")  # MIN:MAX for an elastic job
         self.base_rank = int(_arg(args, "node-rank", "0")) * int(_arg(args, "nproc-per-node", "1"))
         self.failures = 0
 
@@ -121,8 +122,10 @@ class _FailureLines(logging.Filter):
                 what = f"rank {self.base_rank + local_rank} {how}"
             except (TypeError, ValueError, IndexError):  # another torch's record: say less, never fail
                 what = "a worker failed"
-            print(f"restart {self.failures} of {self.max_restarts}: {what}; every rank of this host starts "
-                  "again from the newest checkpoint", file=sys.stderr, flush=True)
+            then = (f"the hosts still here meet again (NNODES={self.nodes}) and every rank starts again from the "
+                    "newest checkpoint, at the new world size") if ":" in self.nodes else (
+                    "every rank of this host starts again from the newest checkpoint")
+            print(f"restart {self.failures} of {self.max_restarts}: {what}; {then}", file=sys.stderr, flush=True)
         return False
 
 

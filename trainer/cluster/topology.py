@@ -30,8 +30,9 @@ The node count, node rank, processes per node and world size must agree wherever
 them (NODE_RANK=1 beside SLURM_NODEID=0 is an error naming both); the master's address and port are
 taken from the first source that names them, so an explicit MASTER_ADDR overrides the one a controller
 derives. Every value keeps where it came from (Topology.sources), which --dry-run, trainer-doctor and
-the one-line errors show. Elastic rendezvous (PET_NNODES=1:4, PET_RDZV_*) is refused: this trainer's
-world has a fixed size.
+the one-line errors show. NNODES=MIN:MAX (or Kubeflow's PET_NNODES=MIN:MAX) asks for elastic membership:
+torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT assigns node ranks, and the job goes on with as few as
+MIN hosts; a node rank given beside a range, or a range beside a fixed count, is refused.
 """
 
 from __future__ import annotations
@@ -84,6 +85,17 @@ class Topology:
     local_world_size: int
     started_by: str  # DIRECT mode: "torchrun", "slurm", "pytorchjob", "explicit" (RANK/WORLD_SIZE), "default"
     sources: Mapping[str, str] = field(default_factory=dict)  # field -> "VAR (source)", "default", ...
+    # Elastic membership (NNODES=MIN:MAX): the fewest hosts the job goes on with; nnodes is then the most,
+    # node_rank is assigned by torchrun's c10d rendezvous, and world_size is the largest. 0: a fixed world.
+    min_nodes: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes > 0
+
+    @property
+    def node_range(self) -> str:
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
     @property
     def distributed(self) -> bool:
@@ -107,15 +119,25 @@ class Topology:
 
     def facts(self) -> dict:
         """What --dry-run prints (without the command)."""
-        return {"mode": self.mode, "nnodes": self.nnodes, "node_rank": self.node_rank,
-                "nproc_per_node": self.nproc_per_node, "world_size": self.world_size,
-                "master_addr": self.master_addr, "master_port": self.master_port,
+        if self.elastic:
+            sizes = [n * self.nproc_per_node for n in range(self.min_nodes, self.nnodes + 1)]
+            layout = {"nnodes": self.node_range, "min_nodes": self.min_nodes, "max_nodes": self.nnodes,
+                      "node_rank": "assigned by the rendezvous", "nproc_per_node": self.nproc_per_node,
+                      "world_size": self.world_size, "world_sizes": sizes, "rendezvous": "c10d"}
+        else:
+            layout = {"nnodes": self.nnodes, "node_rank": self.node_rank, "nproc_per_node": self.nproc_per_node,
+                      "world_size": self.world_size}
+        return {"mode": self.mode, **layout, "master_addr": self.master_addr, "master_port": self.master_port,
                 **({"rank": self.rank, "local_rank": self.local_rank} if self.mode == DIRECT else {}),
                 "source": self.source, "sources": dict(self.sources)}
 
     def summary(self) -> str:
         """The one line a normal start prints."""
         ranks = f" rank={self.rank} local_rank={self.local_rank}" if self.mode == DIRECT else ""
+        if self.elastic:
+            return (f"topology: nnodes={self.node_range} (elastic: c10d rendezvous at {self.master_addr}:"
+                    f"{self.master_port} assigns node ranks) nproc_per_node={self.nproc_per_node} world_size="
+                    f"{self.min_nodes * self.nproc_per_node}..{self.world_size} (source: {self.source})")
         return (f"topology: nnodes={self.nnodes} node_rank={self.node_rank} nproc_per_node={self.nproc_per_node} "
                 f"world_size={self.world_size}{ranks} master={self.master_addr}:{self.master_port} "
                 f"(source: {self.source})")
@@ -309,16 +331,90 @@ class _Resolver:
 
     # -- the node layout --------------------------------------------------------------------------
 
-    def refuse_elastic(self) -> None:
-        raw = self.env.get("PET_NNODES", "").strip()
-        if ":" in raw:
-            raise UsageError(f"PET_NNODES ({self.pet})", f"'{raw}' is an elastic node range, which this trainer "
-                             "does not support (its world has a fixed size)",
-                             "give a fixed node count: drop the job's elasticPolicy, or set PET_NNODES to one number")
+    def node_range(self) -> _Value | None:
+        """NNODES=MIN:MAX (or Kubeflow's PET_NNODES=MIN:MAX): (min, max) hosts, checked; None for a fixed count.
+        A range beside a fixed count from another source mixes static and elastic, which is refused."""
+        given = [(var, source, self.env[var].strip()) for var, source in (("NNODES", "explicit"),
+                 ("PET_NNODES", self.pet)) if _given(self.env, var)]
+        ranges = [g for g in given if ":" in g[2]]
+        if not ranges:
+            return None
+        var, source, raw = ranges[0]
+        label = _label(var, source)
+        lo, _, hi = raw.partition(":")
+        if not re.fullmatch(r"[0-9]+", lo.strip()) or not re.fullmatch(r"[0-9]+", hi.strip()):
+            raise UsageError(label, f"'{raw}' is not a node count or a MIN:MAX range",
+                             "give a number of hosts, or MIN:MAX such as 1:2 for elastic membership")
+        low, high = int(lo), int(hi)
+        if low < 1:
+            raise UsageError(label, f"'{raw}' lets the job run on {low} hosts", "give MIN of at least 1, e.g. 1:"
+                             f"{max(high, 1)}")
+        if high < low:
+            raise UsageError(label, f"'{raw}' runs backwards: MIN {low} is above MAX {high}",
+                             f"give MIN:MAX with MIN <= MAX, e.g. {high}:{low}")
+        for other, other_source, other_raw in given:
+            if other_raw.replace(" ", "") != raw.replace(" ", ""):
+                raise UsageError(label, f"the elastic range '{raw}' contradicts {other}={other_raw} ({other_source})",
+                                 f"give both the same range, or unset {other}")
+        return _Value((low, high), var, source)
+
+    def refuse_elastic_variables(self) -> None:
+        """PET_RDZV_* ask for elastic rendezvous; without a MIN:MAX range the job has a fixed size."""
         for var in ELASTIC_VARIABLES:
             if _given(self.env, var):
-                raise UsageError(f"{var} ({self.pet})", "asks torchrun for elastic rendezvous, which this trainer "
-                                 "does not support", "drop the job's elasticPolicy (static rendezvous at MASTER_ADDR)")
+                raise UsageError(f"{var} ({self.pet})", "asks torchrun for elastic rendezvous, but the node count "
+                                 "is fixed", "give PET_NNODES a MIN:MAX range (elasticPolicy minReplicas:maxReplicas), "
+                                 "or drop the job's elasticPolicy")
+
+    def elastic_topology(self, span: _Value) -> Topology:
+        """NNODES=MIN:MAX: torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT assigns the node ranks."""
+        low, high = span.value
+        # The node ranks a controller derives (PET_NODE_RANK, an Indexed Job's JOB_COMPLETION_INDEX, a PyTorchJob's
+        # RANK) are the pod's index, not a rank: the rendezvous's win. A NODE_RANK set by hand is a mistake.
+        if _given(self.env, "NODE_RANK"):
+            raise UsageError("NODE_RANK (explicit)", f"sets a node rank, but with {span.var}={low}:{high} the "
+                             "rendezvous assigns them (a fixed rank would contradict it after a host is lost)",
+                             "unset NODE_RANK on every host: the same settings serve them all")
+        if self.slurm:
+            raise UsageError(span.label, f"'{low}:{high}' asks for elastic membership, but a Slurm allocation has a "
+                             "fixed set of nodes", "give a fixed node count under Slurm: preemption and requeue "
+                             "are its way back (slurm/*.sbatch)")
+        if not self.pytorchjob and (_given(self.env, "RANK") or _given(self.env, "WORLD_SIZE")):
+            var = "RANK" if _given(self.env, "RANK") else "WORLD_SIZE"
+            raise UsageError(_label(var, "explicit"),
+                             f"fixes this process's rank, but {span.var}={low}:{high} asks for elastic membership",
+                             f"unset {var} (torchrun sets the ranks after each rendezvous)")
+        if self.role == WORKER:
+            raise UsageError(span.label, f"elastic {low}:{high} hosts, but `python -m trainer` is a single process",
+                             "start `trainer-launch` on every host, which runs torchrun's elastic agent")
+        backend = self.env.get("PET_RDZV_BACKEND", "").strip()
+        if backend and backend != "c10d":
+            raise UsageError(f"PET_RDZV_BACKEND ({self.pet})", f"'{backend}' is not a rendezvous this trainer runs",
+                             "use rdzvBackend: c10d (the rendezvous store on the MASTER_ADDR host)")
+        endpoint = self.env.get("PET_RDZV_ENDPOINT", "").strip()
+        if endpoint:
+            host, _, port_text = endpoint.rpartition(":")
+            if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise UsageError(f"PET_RDZV_ENDPOINT ({self.pet})", f"'{endpoint}' is not HOST:PORT",
+                                 "give the rendezvous host and port, e.g. trainer-0:29400")
+            addr = _Value(host, "PET_RDZV_ENDPOINT", self.pet)
+            port = _Value(int(port_text), "PET_RDZV_ENDPOINT", self.pet)
+        else:
+            if high > 1 and not any(_given(self.env, v) for v in ("MASTER_ADDR", "PET_MASTER_ADDR")):
+                raise UsageError("MASTER_ADDR (explicit)", f"is required when {span.var}={low}:{high}",
+                                 "set it to the rendezvous host's address (it hosts the c10d store), the same "
+                                 "on every host")
+            addr = self.master_addr(_Value(high, span.var, span.source))
+            port = self.master_port()
+        procs = self.count_processes(self.nproc())
+        if self.gpus() and procs.value > self.gpus():
+            raise UsageError(procs.label if procs.source != "default" else "NPROC_PER_NODE",
+                             f"{procs.value} processes but only {self.gpus()} GPUs are visible",
+                             f"set NPROC_PER_NODE to at most {self.gpus()} (one process per GPU)")
+        p = procs.value
+        sources = {**self.sources(span, None, procs, addr, port), "node_rank": "the rendezvous (elastic)"}
+        return Topology(TORCHRUN, high, 0, p, addr.value, port.value, 0, 0, high * p, p, "default", sources,
+                        min_nodes=low)
 
     def nnodes(self) -> _Value | None:
         candidates = [self.int("NNODES", "explicit", 1), self.int("PET_NNODES", self.pet, 1)]
@@ -407,7 +503,10 @@ class _Resolver:
     def resolve(self) -> Topology:
         if started_by_torchrun(self.env):
             return self.from_torchrun()
-        self.refuse_elastic()
+        span = self.node_range()
+        if span is not None:
+            return self.elastic_topology(span)
+        self.refuse_elastic_variables()
         nnodes = self.nnodes()
         node_rank, nproc = self.node_rank(nnodes), self.nproc()
         if self.slurm:

@@ -203,6 +203,11 @@ def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -
     return text
 
 
+# Set by trainer-launch for an elastic job (NNODES=MIN:MAX): the largest world size, whose global batch the run
+# keeps at every size.
+ELASTIC_WORLD_ENV = "TRAINER_ELASTIC_WORLD"
+
+
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
     """Merge flags, environment, .env and defaults into a validated TrainConfig (the built-in loop's)."""
     args = build_parser().parse_args(argv)
@@ -248,6 +253,15 @@ def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], en
         # With postponed annotations f.type is the annotation's text: "int", "bool", ...
         values[f.name] = _convert(raw, f.type, setting, f.metadata["choices"])
         sources[f.name] = setting
+    largest = environ.get(ELASTIC_WORLD_ENV, "").strip()
+    if largest.isdigit() and int(largest) != world_size and not values.get("global_batch_size"):
+        # Elastic membership: the global batch of the largest world is the run's at every size, so the
+        # per-process batch follows the world size and a checkpoint's position stays exact across a change.
+        shaped = TrainConfig(**values)
+        values["global_batch_size"] = shaped.batch_size * int(largest) * shaped.grad_accum
+        sources.pop("batch_size", None)
+        values.pop("batch_size", None)
+        sources["global_batch_size"] = f"the elastic job's global batch ({flag_name('batch_size')} at world size {largest})"
     if values.get("resume") == "never" and environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         # torchrun restarted the workers after a failure: the checkpoints there are this run's own.
         values["resume"] = "auto"

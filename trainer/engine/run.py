@@ -36,7 +36,7 @@ from trainer.cluster.supervisor import stop_host_agent
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
 from trainer.cluster.watchdog import stuck_peers
-from trainer.config.settings import TrainConfig, check_gpu_options, flag_name, script_settings
+from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, check_gpu_options, flag_name, script_settings
 from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
 from trainer.data.sampling import ResumableSampler
 from trainer.dist import collectives
@@ -489,6 +489,11 @@ class Run:
             f", {self._steps_per_epoch} per epoch" if self._steps_per_epoch is not None else "")
         log.info("training %s on %s: world size %d (%s, %s), strategy %s%s", names[0], names[1] or "the script's data",
                  self.world_size, self.ctx.backend, self.device, self.settings.strategy, steps)
+        largest = os.environ.get(ELASTIC_WORLD_ENV, "")
+        if largest.isdigit() and self.settings.global_batch_size:
+            log.info("elastic: world size %d of at most %s; %d samples per process per micro-batch keep the job's "
+                     "global batch of %d", self.world_size, largest, self.settings.batch_size,
+                     self.settings.global_batch_size)
 
     def _workload_names(self) -> tuple[str, str | None]:
         """(model, dataset) as summary.json names them: the settings' for the built-in loop, the classes' for a

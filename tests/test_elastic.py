@@ -1,0 +1,102 @@
+"""Lose a host, keep training (docs/reliability.md, "elastic membership" rows): NNODES=MIN:MAX runs torchrun's
+c10d rendezvous; a lost host's peers go on at the smaller world size from the newest checkpoint, a host that
+returns joins at an agreed step, and across both changes every sample of the epoch is trained on exactly once.
+
+Real launchers, real torchrun elastic agents, real gloo ranks: two launcher "hosts" on this machine sharing a
+checkpoint directory (as hosts share a network file system), a trainer.api script that logs what it trains.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from fault_helpers import Launch, running, wait_until
+from helpers import REPO, free_port, read_summary
+
+USER_CODE = REPO / "tests" / "user_code"
+RUN_BOUND_S = 300  # a bound on a hang on a loaded 2-core machine, not a speed goal
+SAMPLES, GLOBAL_BATCH = 4800, 32
+
+
+def elastic_env(port: int) -> dict[str, str]:
+    # The same settings on every host: no NODE_RANK, the rendezvous assigns them.
+    return {"PREFLIGHT": "0", "NNODES": "1:2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TRAIN_BATCH_SIZE": str(GLOBAL_BATCH // 2)}
+
+
+def host(out: Path, port: int, name: str) -> Launch:
+    return Launch([str(USER_CODE / "elastic_loop.py"), "--out", str(out), "--samples", str(SAMPLES),
+                   "--step-seconds", "0.15"], out, elastic_env(port), name=name)
+
+
+def committed_lines(out: Path) -> dict[int, list[tuple[int, list[int]]]]:
+    """{step: [(world size, indices) per rank]} of the attempt whose work each step kept: the attempt that
+    resumed from the latest checkpoint at or before the step (a later attempt replaced what an earlier one
+    trained after that checkpoint)."""
+    by_step: dict[int, dict[int, list[tuple[int, list[int]]]]] = defaultdict(lambda: defaultdict(list))
+    for log in out.glob("seen-*.txt"):
+        for line in log.read_text().splitlines():
+            start, world, step, *indices = map(int, line.split())
+            by_step[step][start].append((world, indices))
+    return {step: attempts[max(attempts)] for step, attempts in by_step.items()}
+
+
+def world_sizes_in(output: str) -> list[int]:
+    return [int(line.split("world size ")[1].split()[0]) for line in output.splitlines()
+            if "INFO training " in line and "world size " in line]
+
+
+@pytest.mark.slow
+def test_a_lost_host_shrinks_the_job_a_returning_one_grows_it_and_every_sample_is_trained_once(tmp_path, launches):
+    port = free_port()
+    first = host(tmp_path, port, "hostA")  # the first to start hosts the rendezvous store
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB")
+    launches.append(second)
+    checkpoints = tmp_path / "checkpoints"
+    wait_until(lambda: 2 in world_sizes_in(first.output()) and any(checkpoints.glob("step-*.pt")), RUN_BOUND_S,
+               f"a checkpoint at world size 2\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+
+    lost_workers = list(second.workers().values())
+    os.kill(second.pid, signal.SIGKILL)  # the host is gone: its launcher, and with it its workers
+    lost_at = time.monotonic()
+    wait_until(lambda: not any(running(p) for p in lost_workers), 10, "the lost host's workers to die with it")
+    assert second.wait(10) == -signal.SIGKILL
+    wait_until(lambda: world_sizes_in(first.output())[-1:] == [1] and "first step done" in
+               first.output().rsplit("INFO training ", 1)[-1], RUN_BOUND_S,
+               f"the job to go on at world size 1\n{first.output()[-3000:]}")
+    regrouped_s = time.monotonic() - lost_at
+    output = first.output()
+    assert "restart 1 of 10: " in output, output[-3000:]
+    assert "Traceback" not in output and "AssertionError" not in output, output[-4000:]
+
+    back = host(tmp_path, port, "hostB-back")  # the host returns, with the same settings
+    launches.append(back)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert back.wait(60) == 0, back.output()[-4000:]
+    output = first.output()
+    sizes = world_sizes_in(output)
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, (sizes, output[-4000:])
+    assert "stopped at step" in output  # the hosts running stopped at an agreed step, with a checkpoint
+
+    # Every step of the epoch kept once, each of GLOBAL_BATCH samples over the ranks of its world, and every
+    # sample of the epoch in exactly one of them: the global order held across 2 -> 1 -> 2.
+    steps = committed_lines(tmp_path)
+    assert sorted(steps) == list(range(1, SAMPLES // GLOBAL_BATCH + 1))
+    seen: list[int] = []
+    for step, ranks in steps.items():
+        world = ranks[0][0]
+        assert len(ranks) == world and all(w == world for w, _ in ranks), (step, ranks)
+        assert sum(len(indices) for _, indices in ranks) == GLOBAL_BATCH, (step, ranks)
+        seen += [i for _, indices in ranks for i in indices]
+    assert sorted(seen) == list(range(SAMPLES))
+    summary = read_summary(tmp_path / "runs")
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["global_step"] == SAMPLES // GLOBAL_BATCH
+    print(f"lost host to the first step at world size 1: {regrouped_s:.1f} s")
