@@ -9,7 +9,7 @@
     MASTER_ADDR (127.0.0.1 on one node; required on several)
     MASTER_PORT (29500 on several nodes; unset on one node: a free port, as torchrun --standalone takes)
     or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
-    trainer/cluster/topology.py reads them, in the order its docstring and the README give.
+    trainer/cluster/topology.py reads them, in the order its docstring and docs/clusters.md give.
     MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
     HANG_TIMEOUT (seconds, 600; 0: off)  no progress for this long (no step, or for a script not on trainer.api
                  no output line, on any rank): every rank's stack is printed, the stuck ranks named, the job ended
