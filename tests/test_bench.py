@@ -163,3 +163,17 @@ def test_bench_bootstrap_cost_starts_the_program_both_ways(tmp_path):
     match = re.fullmatch(r"plain start ([\d.]+) ms, through the bootstrap ([\d.]+) ms: the bootstrap adds (-?[\d.]+) "
                          r"ms \(median of 3 paired starts\)\n", done.stdout)
     assert match and float(match[1]) > 0 and float(match[2]) > 0, done.stdout
+
+
+def test_gpu_quick_plans_every_owed_measurement_within_eight_minutes():
+    """`bash bench/gpu.sh quick --dry-run` runs anywhere (no GPU, nothing started): every part the GPU window owes,
+    each with a budget, and the budgets within 8 minutes."""
+    out = subprocess.run(["bash", str(Path(__file__).parents[1] / "bench" / "gpu.sh"), "quick", "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    parts = dict(re.findall(r"^(\S+) \(at most (\d+) s\):$", out.stdout, re.M))
+    assert [name[0] for name in parts] == ["A", "B", "B", "C", "D", "E"], out.stdout
+    assert sum(int(s) for s in parts.values()) <= 8 * 60 - 20  # start-up and the JSON's assembly besides
+    assert "--trainer-args '--amp bf16 --channels-last --compile'" in out.stdout and "handwritten" in out.stdout
+    assert "--decode gpu" in out.stdout and "--decode cpu" in out.stdout and "--strategy fsdp" in out.stdout
+    assert "bench.usermodel:build" in out.stdout and "results: bench/results/quick-" in out.stdout

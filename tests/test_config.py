@@ -149,10 +149,37 @@ def test_dotenv_written_with_a_byte_order_mark(tmp_path):
     assert load_config(["--env-file", str(path)], {}, world_size=1).model == "cnn"
 
 
-def test_readme_lists_every_option_with_its_variable_and_default():
-    rows = {line.split("|")[1].strip(" `"): line for line in
-            (Path(__file__).parents[1] / "README.md").read_text().splitlines() if line.startswith("| `--")}
+def test_the_settings_page_is_what_the_code_says():
+    """docs/settings.md is generated from TrainConfig and the launcher's table; --check (a real process) fails
+    on any drift, and every option and launcher variable has its row, with its variable and default."""
+    import subprocess
+    import sys
+
+    from trainer.cli.settings_page import PAGE, render, shown_default
+    from trainer.cluster.launch import LAUNCHER_SETTINGS
+
+    check = subprocess.run([sys.executable, "-m", "trainer.cli.settings_page", "--check"], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    page = PAGE.read_text()
+    assert page == render()
+    rows = {line.split("|")[1].strip(" `"): line for line in page.splitlines() if line.startswith("| `")}
     for f in OPTIONS:
         row = rows.get(flag_name(f.name))
-        assert row is not None, f"README's options table has no row for {flag_name(f.name)}"
-        assert f"`{env_name(f.name)}`" in row and f"`{f.default}`" in row, row
+        assert row is not None, f"docs/settings.md has no row for {flag_name(f.name)}"
+        assert f"`{env_name(f.name)}`" in row and shown_default(f.default) in row, row
+    # Each launcher variable is one trainer/cluster/ reads by that name (a renamed variable fails here).
+    cluster_source = "".join(p.read_text() for p in (Path(__file__).parents[1] / "trainer" / "cluster").glob("*.py"))
+    for var in LAUNCHER_SETTINGS:
+        assert f"| `{var.name}` | {var.default} |" in page
+        assert f'"{var.name}"' in cluster_source, f"nothing in trainer/cluster reads {var.name}"
+
+
+def test_the_settings_page_check_fails_on_a_stale_page(tmp_path, monkeypatch):
+    from trainer.cli import settings_page
+
+    stale = tmp_path / "settings.md"
+    stale.write_text(settings_page.render().replace("`TRAIN_EPOCHS` | `5`", "`TRAIN_EPOCHS` | `7`"))
+    monkeypatch.setattr(settings_page, "PAGE", stale)
+    assert settings_page.main(["--check"]) == 1
+    assert settings_page.main([]) == 0 and settings_page.main(["--check"]) == 0

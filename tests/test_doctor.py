@@ -14,9 +14,11 @@ from helpers import write_cifar10, write_image_folder, write_mnist
 from trainer.cluster.doctor import (
     PREFETCH_FACTOR,
     Check,
+    container_runtime,
     data_shape,
     dataloader_workers,
     format_table,
+    limit_fixes,
     main,
     parameter_count,
     run_checks,
@@ -352,3 +354,37 @@ def test_a_limited_memlock_passes_without_gpus(tmp_path):
                          env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS})
     (memlock,) = [c for c in json.loads(out.stdout)["checks"] if c["name"] == "ulimit memlock"]
     assert memlock["status"] == "pass" and memlock["value"].startswith("1.0 MiB (enough: gloo"), memlock
+
+
+def test_the_stack_fix_is_in_the_syntax_of_where_it_runs(tmp_path):
+    # A bare-metal user raises a limit with the shell's `ulimit -s`; inside Docker or Podman only the engine's
+    # --ulimit can. The process below runs with an 8 MiB stack, and gets the fix for where this test runs.
+    import resource
+
+    def lower_stack():
+        resource.setrlimit(resource.RLIMIT_STACK, (8 << 20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    out = subprocess.run([sys.executable, "-m", "trainer.cluster.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
+                          "--log-dir", str(tmp_path / "r"), "--env-file", os.devnull],
+                         capture_output=True, text=True, cwd=tmp_path, preexec_fn=lower_stack, timeout=120, env=env)
+    (stack,) = [c for c in json.loads(out.stdout)["checks"] if c["name"] == "ulimit stack"]
+    here = container_runtime(env)
+    assert stack["status"] == "warn" and stack["value"] == "8.0 MiB" and stack["fix"] == limit_fixes(here)[1], stack
+
+    # Where each kind of place is recognised, on a root of its own: the marker files the engines write.
+    (tmp_path / "docker").mkdir()
+    (tmp_path / "docker" / ".dockerenv").touch()
+    (tmp_path / "podman" / "run").mkdir(parents=True)
+    (tmp_path / "podman" / "run" / ".containerenv").touch()
+    (tmp_path / "host").mkdir()
+    assert container_runtime({}, str(tmp_path / "docker")) == "docker"
+    assert container_runtime({}, str(tmp_path / "podman")) == "podman"
+    assert container_runtime({}, str(tmp_path / "host")) is None
+    assert container_runtime({"APPTAINER_CONTAINER": "/x.sif"}, str(tmp_path / "host")) == "apptainer"
+    assert container_runtime({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path / "docker")) == "kubernetes"
+    assert limit_fixes(None)[1].startswith("ulimit -s 65536 in the shell") and "--ulimit" not in limit_fixes(None)[1]
+    assert "ulimit -l unlimited" in limit_fixes(None)[0]
+    assert limit_fixes("docker")[1] == "compose: ulimits: stack: 67108864 / docker run --ulimit stack=67108864"
+    assert limit_fixes("podman")[1].endswith("podman run --ulimit stack=67108864")
+    assert limit_fixes("apptainer")[1].startswith("ulimit -s 65536 before apptainer exec")

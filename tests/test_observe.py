@@ -17,11 +17,13 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import re
 import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -278,7 +280,12 @@ def test_report_without_matplotlib_says_so_in_one_line(straggler_run, tmp_path):
     result = subprocess.run([*REPORT, str(log_dir), "--png", str(png)], env=clean_env(hiding(tmp_path, "matplotlib")),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1].startswith("no PNG: matplotlib is not installed")
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("no PNG: matplotlib is not installed"), last
+    # The hint names an extra pyproject.toml has, and that extra brings matplotlib.
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (extra,) = re.findall(r"ddp-trainer\[(\w+)\]", last)
+    assert any(dep.startswith("matplotlib") for dep in extras[extra]), (extra, extras)
     assert not png.exists()
 
 

@@ -299,10 +299,10 @@ def test_sigterm_checkpoints_exits_0_and_the_next_run_resumes_exactly(tmp_path, 
 # ------------------------------------------------------------------ examples/, as their READMEs run them
 
 def readme_script() -> tuple[str, dict[str, str], list[str]]:
-    """The complete trainer.api script the README shows (the python block after its marker), and the command
-    line that runs it (the bash block after that): its TRAIN_* variables and its arguments."""
-    text = (REPO / "README.md").read_text()
-    block = text.split("<!-- README script: tests/test_scripts.py runs this block -->", 1)[1]
+    """The complete trainer.api script docs/your-code.md shows (the python block after its marker), and the
+    command line that runs it (the bash block after that): its TRAIN_* variables and its arguments."""
+    text = (REPO / "docs" / "your-code.md").read_text()
+    block = text.split("<!-- the trainer.api script: tests/test_scripts.py runs this block -->", 1)[1]
     script, rest = block.split("```python\n", 1)[1].split("\n```", 1)
     command = rest.split("```bash\n", 1)[1].split("\n```", 1)[0].split("#")[0].split()
     env = dict(word.split("=", 1) for word in command if "=" in word)
@@ -312,9 +312,9 @@ def readme_script() -> tuple[str, dict[str, str], list[str]]:
 
 @pytest.mark.slow
 def test_the_readme_script_runs_as_shown_and_resumes_a_finished_run_as_finished(tmp_path):
-    """fsdp, two trackers and step timing from the TRAIN_* settings of the README's command line alone."""
+    """fsdp, two trackers and step timing from the TRAIN_* settings of docs/your-code.md's command line alone."""
     script, env, args = readme_script()
-    assert 30 <= len(script.splitlines()) <= 45  # the README promises a short script
+    assert 30 <= len(script.splitlines()) <= 45  # the page promises a short script
     assert env == {"TRAIN_STRATEGY": "fsdp", "TRAIN_TRACKER": "tensorboard,csv"} and args == ["train.py"]
     (tmp_path / "train.py").write_text(script)
     result = launch_ok(args, tmp_path, **env)

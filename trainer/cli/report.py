@@ -159,7 +159,7 @@ def draw(scalars: Scalars, path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib, or the bench extra)"
+        return "no PNG: matplotlib is not installed (pip install 'ddp-trainer[report]')"
     panels = [("loss", ("Loss/train", "Loss/val")), ("accuracy", ("acc1/val", "acc5/val")),
               ("samples/s", ("throughput/samples_per_s",))]
     figure, axes = plt.subplots(len(panels), 1, figsize=(8, 9), sharex=True)

@@ -148,6 +148,37 @@ def check_shm(training: TrainConfig | None, plan: Topology, gpus: int) -> Check:
 
 
 RDMA_DEVICES = "/sys/class/infiniband"  # InfiniBand and RoCE adapters, the transports that lock memory
+STACK_BYTES = 64 * MIB  # NVIDIA's recommended container stack size for CUDA workloads
+
+
+def container_runtime(env: Mapping[str, str], root: str = "/") -> str | None:
+    """What runs this process: 'docker', 'podman', 'kubernetes', 'apptainer', or None (bare metal). A fix for a
+    resource limit is the engine's `--ulimit` inside a container, but the shell's `ulimit` on a host (and under
+    Apptainer, which inherits the limits of the shell that starts it)."""
+    if env.get("APPTAINER_CONTAINER") or env.get("SINGULARITY_CONTAINER"):
+        return "apptainer"
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return "kubernetes"
+    if os.path.exists(os.path.join(root, "run/.containerenv")) or env.get("container") == "podman":
+        return "podman"
+    if os.path.exists(os.path.join(root, ".dockerenv")):
+        return "docker"
+    return None
+
+
+def limit_fixes(runtime: str | None) -> tuple[str, str]:
+    """(memlock fix, stack fix) in the syntax of where the process runs."""
+    if runtime in ("docker", "podman"):
+        return ("unlimited memlock: compose's default ULIMIT_MEMLOCK=-1 / docker run --ulimit memlock=-1, on an engine "
+                "that may raise it; else NCCL_IB_DISABLE=1 (sockets)",
+                f"compose: ulimits: stack: {STACK_BYTES} / {runtime} run --ulimit stack={STACK_BYTES}")
+    if runtime == "kubernetes":
+        return ("the node's container runtime sets it (e.g. dockerd --default-ulimit memlock=-1); else NCCL_IB_DISABLE=1 "
+                "(sockets)", f"the node's container runtime sets it (e.g. dockerd --default-ulimit stack={STACK_BYTES})")
+    before = " before apptainer exec" if runtime == "apptainer" else " in the shell that starts the job"
+    return (f"ulimit -l unlimited{before} (a hard limit below it: a memlock line in /etc/security/limits.conf); else "
+            "NCCL_IB_DISABLE=1 (sockets)",
+            f"ulimit -s {STACK_BYTES // 1024}{before} (a hard limit below it: a stack line in /etc/security/limits.conf)")
 
 
 def check_ulimits(gpus: int, env: Mapping[str, str]) -> list[Check]:
@@ -168,13 +199,11 @@ def check_ulimits(gpus: int, env: Mapping[str, str]) -> list[Check]:
     why = ("" if memlock == inf else f" (NCCL over {', '.join(rdma)} locks memory)" if needs_memlock
            else " (enough: gloo and NCCL without InfiniBand/RoCE lock none)" if gpus
            else " (enough: gloo on the CPU locks none)")
+    memlock_fix, stack_fix = limit_fixes(container_runtime(env))
     return [
         _check("ulimit memlock", "warn" if needs_memlock and memlock != inf else "pass", shown[memlock] + why,
-               "unlimited memlock: compose's default ULIMIT_MEMLOCK=-1 / docker run --ulimit memlock=-1, on an engine "
-               "that may raise it; else NCCL_IB_DISABLE=1 (sockets)"),
-        # 64 MiB is NVIDIA's recommended container stack size for CUDA workloads
-        _check("ulimit stack", "warn" if stack != inf and stack < 64 * MIB else "pass",
-               shown[stack], "ulimits: stack: 67108864 / --ulimit stack=67108864")]
+               memlock_fix),
+        _check("ulimit stack", "warn" if stack != inf and stack < STACK_BYTES else "pass", shown[stack], stack_fix)]
 
 
 def check_gpus(gpus: int, nproc: int) -> Check:

@@ -12,7 +12,7 @@
     MASTER_ADDR (127.0.0.1 on one node; required on several)
     MASTER_PORT (29500 on several nodes; unset on one node: a free port, as torchrun --standalone takes)
     or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
-    trainer/cluster/topology.py reads them, in the order its docstring and the README give.
+    trainer/cluster/topology.py reads them, in the order its docstring and docs/clusters.md give.
     MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
     HANG_TIMEOUT (seconds, 600; 0: off)  no progress for this long (no step, or for a script not on trainer.api
                  no output line, on any rank): every rank's stack is printed, the stuck ranks named, the job ended
@@ -73,6 +73,37 @@ BUILTIN = ("-m", "trainer")
 
 
 DRY_RUN = "--dry-run"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One launcher setting: an environment variable trainer-launch (or its preflight, its supervisor) reads."""
+    name: str
+    default: str
+    meaning: str
+
+
+# The launcher's settings, the one list docs/settings.md is generated from (python -m trainer.cli.settings_page);
+# tests/test_config.py checks that each name is read in trainer/cluster/ and the page is in step with this list.
+LAUNCHER_SETTINGS = (
+    Variable("NNODES", "1", "hosts in the job"),
+    Variable("NODE_RANK", "0", "this host's index, 0 .. NNODES-1; rank 0 lives on host 0"),
+    Variable("NPROC_PER_NODE", "visible GPUs, or 2 without GPUs", "worker processes on this host"),
+    Variable("MASTER_ADDR", "127.0.0.1 on one host; required on several", "address of the NODE_RANK=0 host"),
+    Variable("MASTER_PORT", f"a free port on one host (as torchrun --standalone); {topo.DEFAULT_MASTER_PORT} on "
+             "several", "rendezvous port on the NODE_RANK=0 host"),
+    Variable("MAX_RESTARTS", "0", "times torchrun restarts the workers after a failure (they resume from the newest "
+             "checkpoint); each restart is one line: restart 1 of 2: rank 1 was killed by SIGKILL; ..."),
+    Variable("HANG_TIMEOUT", str(DEFAULT_HANG_TIMEOUT), "seconds without progress (a step; for a script not on "
+             "trainer.api, an output line) before the launcher prints every rank's stack, names the ranks not in a "
+             "collective and ends the job (exit 1); 0 turns it off"),
+    Variable("SCRIPT_LAUNCH", "auto", "per-host: your script starts its own processes (mp.spawn, a tcp:// init with "
+             "its own ranks), so it runs once per host, without torchrun; torchrun: a copy per rank; auto tells them "
+             "apart by the source (docs/scripts.md)"),
+    Variable("RDZV_TIMEOUT", str(DEFAULT_RDZV_TIMEOUT), "seconds to wait for every host to join"),
+    Variable("PREFLIGHT", "1", "run trainer-doctor before training; 0 skips it"),
+    Variable(SCRIPT_ENV, "unset", "your own script (a path, or -m and a module) when the command line names none"),
+)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ A name is one of three kinds:
 Torch-free on purpose: the config, the launcher and the doctor read it before (or without) importing
 torch. Only a torchvision name or a user factory imports anything, and only when it is used.
 
-The factory protocols (README, "Your own model, data or script"):
+The factory protocols (docs/your-code.md):
 - model:   `build(spec: DataSpec) -> torch.nn.Module`. A model may define
            `compute_loss(output, inputs, targets)` returning per-sample losses (shape [N]) or their
            mean; without it the task's loss applies (cross-entropy on class logits).

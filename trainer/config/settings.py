@@ -94,7 +94,7 @@ class TrainConfig:
     log_dir: str = option("./runs", "TensorBoard events and summary.json")
     tracker: str = option("tensorboard", "experiment trackers, comma-separated: tensorboard, csv (metrics.csv), "
                           "wandb, mlflow (rank 0 only; offline by default: WANDB_MODE=offline into --log-dir, "
-                          "an MLflow file store in <log-dir>/mlruns; sync later, see the README)")
+                          "an MLflow file store in <log-dir>/mlruns; sync later: docs/performance.md)")
     step_timing: bool = option(True, "per-rank step timing every --log-every steps (data wait, compute, "
                                "collective wait, optimizer) and the slowest rank named")
     profile_steps: str = option("", "torch.profiler traces of optimizer steps A:B (A to B inclusive) into "

@@ -53,7 +53,7 @@ RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed)  # one line and exit 1:
 
 
 class Run:
-    """One process's part in a distributed training run (see the module's docstring and README's table)."""
+    """One process's part in a distributed training run (see the module's docstring and docs/your-code.md's table)."""
 
     def __init__(self, checkpoint_dir: str | os.PathLike | None = None, log_dir: str | os.PathLike | None = None, *,
                  config: TrainConfig | None = None, started: float | None = None, **settings: Any):

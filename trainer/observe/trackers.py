@@ -4,7 +4,7 @@ Every tracker gets the same names, TensorBoard's tags (`Loss/train`, `acc1/val`,
 `time/compute_ms/rank1`), so a run reads the same in each. Compute nodes often have no internet:
 wandb runs offline (WANDB_MODE=offline unless the environment says otherwise) into the log
 directory, and MLflow writes a file store under it (MLFLOW_TRACKING_URI overrides); both sync
-later from a host that has a network (README: "Experiment trackers"). A tracker that cannot
+later from a host that has a network (docs/performance.md, "See inside a run"). A tracker that cannot
 start or stops working costs one warning, never the training run.
 """
 
