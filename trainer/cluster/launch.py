@@ -86,13 +86,15 @@ class Variable:
 # The launcher's settings, the one list docs/settings.md is generated from (python -m trainer.cli.settings_page);
 # tests/test_config.py checks that each name is read in trainer/cluster/ and the page is in step with this list.
 LAUNCHER_SETTINGS = (
-    Variable("NNODES", "1", "hosts in the job"),
-    Variable("NODE_RANK", "0", "this host's index, 0 .. NNODES-1; rank 0 lives on host 0"),
+    Variable("NNODES", "1", "hosts in the job; MIN:MAX (e.g. 1:2) for elastic membership: the c10d rendezvous at "
+             "MASTER_ADDR:MASTER_PORT assigns node ranks, a lost host's peers go on from the newest checkpoint with "
+             "as few as MIN hosts and the same global batch, a returning host joins (docs/elastic.md)"),
+    Variable("NODE_RANK", "0", "this host's index, 0 .. NNODES-1; rank 0 lives on host 0 (unset under NNODES=MIN:MAX)"),
     Variable("NPROC_PER_NODE", "visible GPUs, or 2 without GPUs", "worker processes on this host"),
     Variable("MASTER_ADDR", "127.0.0.1 on one host; required on several", "address of the NODE_RANK=0 host"),
     Variable("MASTER_PORT", f"a free port on one host (as torchrun --standalone); {topo.DEFAULT_MASTER_PORT} on "
              "several", "rendezvous port on the NODE_RANK=0 host"),
-    Variable("MAX_RESTARTS", "0", "times torchrun restarts the workers after a failure (they resume from the newest "
+    Variable("MAX_RESTARTS", "0 (10 under NNODES=MIN:MAX)", "times torchrun restarts the workers after a failure (they resume from the newest "
              "checkpoint); each restart is one line: restart 1 of 2: rank 1 was killed by SIGKILL; ..."),
     Variable("HANG_TIMEOUT", str(DEFAULT_HANG_TIMEOUT), "seconds without progress (a step; for a script not on "
              "trainer.api, an output line) before the launcher prints every rank's stack, names the ranks not in a "
