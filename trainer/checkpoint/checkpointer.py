@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -54,11 +55,17 @@ class Labels:
 
 class Checkpointer:
     def __init__(self, ctx: DistContext, directory: str, keep: int, every: int, resume: str, sharded: bool,
-                 door: str, labels: Labels):
+                 door: str, labels: Labels, background: bool = False):
         self.ctx, self.directory, self.keep, self.every = ctx, Path(directory), keep, every
         self.sharded, self.door, self.labels = sharded, door, labels
         self.objects: Registered | None = None
-        self.last_committed: int | None = None
+        self.last_committed: int | None = None  # on disk, whole and renamed: what a resume would find
+        self.last_requested: int | None = None  # the same on every rank: committed, or being written by rank 0
+        # --checkpoint-async: rank 0 copies the state to CPU memory and a thread writes it while training goes
+        # on (one write at a time); sharded (fsdp) checkpoints are written in the step.
+        self.background = background and not sharded
+        self._writer: threading.Thread | None = None
+        self._write_failed: CheckpointError | None = None
         self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
         self._claimed: list = []
         self.saved_position: dict[str, int] | None = None  # what the checkpoint resumed from said
@@ -141,16 +148,26 @@ class Checkpointer:
         """Whether step N is one the cadence commits (epoch ends, stops and the end are the caller's news)."""
         return bool(self.every) and step % self.every == 0
 
-    def commit(self, pos: Position, samples_per_batch: int, config: dict[str, Any]) -> None:
-        """Commit a checkpoint of the registered objects at `pos` (every rank calls this)."""
+    def commit(self, pos: Position, samples_per_batch: int, config: dict[str, Any], background: bool = False) -> None:
+        """Commit a checkpoint of the registered objects at `pos` (every rank calls this). background: a cadence
+        checkpoint, which --checkpoint-async writes while training goes on; a stop's and the end's are written
+        before this returns."""
         if self.objects is None:
             raise RuntimeError("call run.resume(model=..., optimizer=...) first: it names what a checkpoint holds")
+        self.wait()
         for hook in self.before_commit:
             hook()
         for model in self.objects.modules.values():
             if not weights_are_finite(self.ctx, model):
                 raise self.diverged(pos.step)
         info = ckpt.meta(pos, samples_per_batch, config, self.door, self.objects.names(), self.ctx.device)
+        self.last_requested = pos.step
+        if background and self.background:
+            if self.ctx.is_main:  # a copy the next steps cannot change, then the write in a thread
+                state = cpu_copy(ckpt.snapshot(self.objects, info))
+                self._writer = threading.Thread(target=self._write, args=(pos.step, state), name="checkpoint-writer")
+                self._writer.start()
+            return
         try:
             if self.sharded:
                 model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
@@ -167,6 +184,24 @@ class Checkpointer:
         self.last_committed = pos.step
         collectives.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
+    def _write(self, step: int, state: dict[str, Any]) -> None:
+        try:
+            path = save(self.directory, step, state, self.keep)
+        except CheckpointError as err:
+            self._write_failed = CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1))
+            return
+        log.info("checkpoint committed: %s", path)
+        self.last_committed = step
+
+    def wait(self) -> None:
+        """The background write in flight, if any, committed; its failure raised (on rank 0, which wrote it)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._write_failed is not None:
+            failed, self._write_failed = self._write_failed, None
+            raise failed
+
     def diverged(self, at_step: int) -> Diverged:
         newest = (f"the newest checkpoint is step {self.last_committed}" if self.last_committed is not None else
                   "no checkpoint of this run was committed")
@@ -174,9 +209,28 @@ class Checkpointer:
                         f"{newest} ({self.labels.diverged_fix})")
 
     def close(self) -> None:
+        """The write in flight finishes first (a crash in the user's code still commits it)."""
+        try:
+            self.wait()
+        except CheckpointError as err:
+            log.error("%s", err)
         for lock in self._claimed:
             lock.close()
         self._claimed = []
+
+
+def cpu_copy(value: Any) -> Any:
+    """A state dict with every tensor copied to CPU memory: what the background write saves, whatever the next
+    steps do to the live tensors."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(v) for v in value)
+    return value
 
 
 __all__ = ["Checkpointer", "CheckpointError", "Labels", "Position", "ResumePoint"]

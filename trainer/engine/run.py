@@ -84,7 +84,7 @@ class Run:
                 self.checkpointer = Checkpointer(self.ctx, self.settings.checkpoint_dir,
                                                  self.settings.keep_checkpoints, self.settings.checkpoint_every,
                                                  self.settings.resume, self.settings.strategy == "fsdp", self.door,
-                                                 labels)
+                                                 labels, self.settings.checkpoint_async)
         except BaseException:
             teardown(self.ctx)
             raise
@@ -346,12 +346,13 @@ class Run:
         """One micro-batch over all ranks (a checkpoint's position is in micro-batches: this converts it)."""
         return (self._batch_size or 1) * self.world_size
 
-    def save(self) -> None:
-        """Commit a checkpoint now (every rank calls it)."""
+    def save(self, background: bool = False) -> None:
+        """Commit a checkpoint now (every rank calls it); background: with --checkpoint-async, written while
+        training goes on (the cadence's checkpoints; a stop's and the end's are written before the next step)."""
         with self._once():
             self._require("run.save()")
         with self.observers.paused():
-            self.checkpointer.commit(self.position, self._samples_per_batch(), self.settings.as_dict())
+            self.checkpointer.commit(self.position, self._samples_per_batch(), self.settings.as_dict(), background)
 
     # ------------------------------------------------------------------ the loop
     def epochs(self, count: int | None = None) -> Iterator[int]:
@@ -374,7 +375,7 @@ class Run:
                 return
             self.position = Position(epoch + 1, 0, self.position.step)
             self.observers.log(self.position.step, {"time/epoch_s": time.perf_counter() - self._epoch_start})
-            if self.checkpointer.last_committed != self.position.step:  # else that checkpoint says the same
+            if self.checkpointer.last_requested != self.position.step:  # else that checkpoint says the same
                 self.save()
 
     def steps(self, batches: Iterable) -> Iterator[Iterator]:
@@ -430,7 +431,7 @@ class Run:
         self.observers.after_step(step, pos.epoch, samples * self.world_size, last, lr, scalars, self._check_weights)
         stopping = self._vote.vote(self._stop.requested)
         if stopping or (not epoch_done and (last or self.checkpointer.due(step))):
-            self.save()
+            self.save(background=not (stopping or last))
         self.stopped = self.stopped or stopping
         self._ended = self._ended or last
         self._ended_mid_epoch = last and not epoch_done
@@ -510,8 +511,9 @@ class Run:
         code = 0
         if self._training:
             self.stopped = self._vote.finish() or self.stopped  # every rank leaves with no collective in flight
-            if self.checkpointer.last_committed != self.position.step:
+            if self.checkpointer.last_requested != self.position.step:
                 self.save()
+            self.checkpointer.wait()  # the last one committed before the summary says so
         if self._stop is not None:
             self._stop.close()
         self.observers.close()
