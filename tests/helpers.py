@@ -7,15 +7,18 @@ OMP_NUM_THREADS=1, and runs in a temporary directory so relative defaults (./run
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
+import random
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NoReturn, Sequence
 
 import pytest
 import torch
@@ -57,10 +60,51 @@ def srun_task_env(procid: int, ntasks: int, nodelist: str = "localhost", job_id:
             "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0"}
 
 
+# Ports for runs come from below the kernel's ephemeral range: a port picked by binding port 0 comes from
+# that range, and any outgoing connection on the machine (gloo's, another test's) could be given it between
+# the pick and the run's bind. A lock file per port keeps concurrent test sessions from picking the same one.
+PORTS = (20000, 32768)
+PORT_LOCKS = Path(tempfile.gettempdir()) / f"ddp-trainer-test-ports-{os.getuid()}"
+_ports_held: list = []  # the open, locked files: each port stays this process's until it exits
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, never handed out before to this or another test session on this machine."""
+    PORT_LOCKS.mkdir(exist_ok=True)
+    low, high = PORTS[0], min(PORTS[1], _ephemeral_low())
+    for _ in range(2000):
+        port = random.randrange(low, high)
+        lock = open(PORT_LOCKS / str(port), "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                lock.close()
+                continue
+        _ports_held.append(lock)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high} after 2000 tries")
+
+
+def skip_or_fail_in_ci(reason: str) -> NoReturn:
+    """A test this machine cannot run (it lacks root, a tool, a capability) skips and says why. In CI
+    (CI=true: root on a machine with everything installed, .ci/run) it fails instead: a skipped fault test
+    checked nothing, and its row in docs/reliability.md would claim what no run showed."""
+    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def as_unprivileged(command: Sequence[str]) -> list[str]:
