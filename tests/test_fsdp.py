@@ -32,7 +32,8 @@ from helpers import (
     train_ok,
 )
 
-from trainer.checkpoint import sharded, store as checkpoint
+from trainer.checkpoint import sharded
+from trainer.checkpoint import store as checkpoint
 
 STEPS = 20
 # 20 optimizer steps of a small CNN, 2 micro-batches each (accumulation under both strategies), a
@@ -375,6 +376,26 @@ def test_a_checkpoint_directory_missing_its_marker_or_a_shard_is_one_line(fsdp_r
                          timeout=60)
     assert str(gone) in assert_usage_error(result, "--resume")
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_under_resume_auto_a_damaged_sharded_checkpoint_is_passed_over(fsdp_run, tmp_path):
+    """The newest directory lacks its marker (a save that did not finish: not a checkpoint at all), the next
+    lacks a shard (committed, and corrupt: set aside with a warning, as a corrupt file is); step 5 resumes."""
+    checkpoints = tmp_path / "checkpoints"
+    for step in (5, 10, 15):
+        shutil.copytree(fsdp_run / "checkpoints" / f"step-{step:08d}", checkpoints / f"step-{step:08d}")
+    (checkpoints / "step-00000015" / sharded.COMMIT_MARKER).unlink()
+    (checkpoints / "step-00000010" / "__1_0.distcp").unlink()
+    result = train_ok([*RUN, "--strategy", "fsdp", "--resume", "auto", "--max-steps", "6", *dirs_args(tmp_path)],
+                      tmp_path, nproc=2)
+    warned = [line for line in result.stderr.splitlines() if "step-00000010 does not load" in line]
+    assert len(warned) == 1 and "moved to step-00000010.corrupt, trying the previous one" in warned[0], \
+        result.stderr[-3000:]
+    assert "step-00000015 does not load" not in result.stderr  # never committed: not a candidate
+    assert (checkpoints / "step-00000010.corrupt").is_dir() and not (checkpoints / "step-00000010").exists()
+    summary = read_summary(tmp_path / "runs")
+    assert summary["resumed_from_step"] == 5 and summary["global_step"] == 6
 
 
 def test_every_world_size_reads_one_global_order_so_a_position_maps_exactly():
