@@ -268,8 +268,8 @@ def write_image_folder(root: Path, classes: Iterable[str] = ("cat", "dog"), per_
 def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, args: Sequence[str],
                    env: Mapping[str, str] | None = None, timeout: float = 600) -> dict:
     """`python -m bench` on two stacks, which must succeed with what every such run shows: the rounds
-    interleaved, every run timed, and `ratio` ("a/b") the ratio of the two medians in the JSON and
-    the markdown. Returns the JSON result."""
+    interleaved, every run's figure its own record's, and `ratio` ("a/b") the ratio of the two medians in
+    the JSON and the markdown. Returns the JSON result."""
     command = [sys.executable, "-m", "bench", "--stacks", *stacks, "--nproc", str(nproc), "--rounds", "3",
                *args, "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -277,7 +277,13 @@ def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, a
 
     result = json.loads(next(out.glob("bench-*.json")).read_text())
     assert [(r["round"], r["stack"]) for r in result["runs"]] == [(n, stack) for n in (1, 2, 3) for stack in stacks]
-    assert all(r["samples_per_second"] > 0 for r in result["runs"])
+    # Each run's figure is the one that run wrote itself (the trainer's summary.json, a script's result.json).
+    for run in result["runs"]:
+        own = [Path(run["record"]) / name for name in ("summary.json", "result.json")]
+        (written,) = [path for path in own if path.is_file()]
+        own_figure = json.loads(written.read_text())["samples_per_second"]
+        assert run["samples_per_second"] == pytest.approx(own_figure), (run, written, own_figure)
+        assert run["samples_per_second"] > 0
     numerator, denominator = ratio.split("/")
     medians = result["stacks"][str(nproc)]
     value = result["ratios"][str(nproc)][ratio]
