@@ -9,16 +9,20 @@ ratio. `--stacks launcher torchrun` runs one user script (the hand-written loop)
 trainer-launch and through plain torchrun, for the launcher/torchrun ratio. `--stacks trainer
 baseline` runs the trainer twice per round, with --trainer-args and with --baseline-args, for the
 effect of one setting (e.g. the input path) side by side. Results: a markdown table on stdout and
-bench/results/<stamp>.{md,json}. `--input` measures the input path alone (bench/inputpath.py).
+bench/results/<stamp>.{md,json}, with each run's own record of its figure (the trainer's summary.json and
+params.json, a script's result.json) in bench/results/bench-<stamp>-runs/. `--input` measures the input path
+alone (bench/inputpath.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
 import shlex
+import shutil
 import socket
 import statistics
 import sys
@@ -170,9 +174,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, float]:
+def run_once(stack: str, nproc: int, args: argparse.Namespace, keep: Path) -> tuple[float, float]:
     """One run of one stack: its steady-state samples/s over all processes, and how many cores
-    other work on the machine kept busy meanwhile (the noise every number here carries)."""
+    other work on the machine kept busy meanwhile (the noise every number here carries). The run's own
+    record of it (summary.json and params.json, or result.json) is kept in the folder `keep`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}  # the workload is the flags alone
     env.update(OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -195,6 +200,10 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace) -> tuple[float, f
             print(f"+ {shlex.join(command)}  # the {stack} run that failed", file=sys.stderr)
             exit_with_failed_run(done)
         result_file = workdir / ("runs/summary.json" if stack in TRAINER_STACKS else "result.json")
+        keep.mkdir(parents=True)
+        for record in (result_file, result_file.with_name("params.json")):
+            if record.is_file():
+                shutil.copyfile(record, keep / record.name)
         return float(json.loads(result_file.read_text())["samples_per_second"]), others
 
 
@@ -254,12 +263,14 @@ def main(argv: list[str] | None = None) -> int:
               "date": now(), "machine": describe_machine(),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     runs = []
+    kept = args.out / datetime.datetime.now().strftime("bench-%Y%m%d-%H%M%S-runs")  # every run's own record
     for round_number in range(1, args.rounds + 1):
         for nproc in args.nproc:
             for stack in args.stacks:
-                sps, others = run_once(stack, nproc, args)
+                keep = kept / f"round{round_number}-{nproc}p-{stack}"
+                sps, others = run_once(stack, nproc, args, keep)
                 runs.append({"round": round_number, "nproc": nproc, "stack": stack, "samples_per_second": sps,
-                             "other_cores_busy": others})
+                             "other_cores_busy": others, "record": str(keep)})
                 print(f"round {round_number}/{args.rounds}  {nproc} proc  {stack:<11} {sps:8.1f} samples/s  "
                       f"(other work: {others:.2f} cores)", file=sys.stderr, flush=True)
     summary = summarise(runs, args.nproc, args.stacks)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import write_cifar10, write_image_folder, write_mnist
+from helpers import free_port, skip_or_fail_in_ci, write_cifar10, write_image_folder, write_mnist
 
 from trainer.cluster.doctor import (
     PREFETCH_FACTOR,
@@ -46,12 +46,6 @@ def row(checks: list[Check], name: str) -> Check:
 
 def failures(checks: list[Check]) -> list[Check]:
     return [c for c in checks if c.status == "fail"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_defaults_pass():
@@ -269,9 +263,9 @@ def small_shm() -> tuple[str, ...]:
     try:
         probe = subprocess.run([*SMALL_SHM, "true"], capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
-        pytest.skip("no unshare command")
+        skip_or_fail_in_ci("no unshare command (util-linux)")
     if probe.returncode != 0:
-        pytest.skip(f"cannot mount a private /dev/shm (needs root): {probe.stderr.strip()}")
+        skip_or_fail_in_ci(f"cannot mount a private /dev/shm (needs root): {probe.stderr.strip()}")
     return SMALL_SHM
 
 

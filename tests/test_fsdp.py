@@ -32,7 +32,8 @@ from helpers import (
     train_ok,
 )
 
-from trainer.checkpoint import sharded, store as checkpoint
+from trainer.checkpoint import sharded
+from trainer.checkpoint import store as checkpoint
 
 STEPS = 20
 # 20 optimizer steps of a small CNN, 2 micro-batches each (accumulation under both strategies), a
@@ -179,14 +180,24 @@ def test_fsdp_checkpoints_are_committed_directories_of_shards(fsdp_run):
 
 @pytest.mark.slow
 def test_fsdp_resume_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(fsdp_run, tmp_path):
-    source = fsdp_run / "checkpoints" / "step-00000010"
-    (tmp_path / "from").mkdir()
-    shutil.copytree(source, tmp_path / "from" / source.name)
-    train_ok([*RUN, "--strategy", "fsdp", "--resume", str(tmp_path / "from" / source.name), *dirs_args(tmp_path)],
-             tmp_path, nproc=2)
+    """Under --resume auto, with two damaged directories above step 10: step-00000017 lacks its marker (a save
+    that did not finish: no checkpoint at all, passed over), step 15 lacks a shard (committed and corrupt: set
+    aside with a warning, as a corrupt file is). Step 10 resumes, and the run ends as the uninterrupted one."""
+    checkpoints = tmp_path / "checkpoints"
+    for step in (10, 15):
+        shutil.copytree(fsdp_run / "checkpoints" / f"step-{step:08d}", checkpoints / f"step-{step:08d}")
+    (checkpoints / "step-00000015" / "__1_0.distcp").unlink()
+    shutil.copytree(fsdp_run / "checkpoints" / "step-00000020", checkpoints / "step-00000017")
+    (checkpoints / "step-00000017" / sharded.COMMIT_MARKER).unlink()
+    result = train_ok([*RUN, "--strategy", "fsdp", "--resume", "auto", *dirs_args(tmp_path)], tmp_path, nproc=2)
+    warned = [line for line in result.stderr.splitlines() if "step-00000015 does not load" in line]
+    assert len(warned) == 1 and "moved to step-00000015.corrupt, trying the previous one" in warned[0], \
+        result.stderr[-3000:]
+    assert "step-00000017 does not load" not in result.stderr  # never committed: not a candidate
+    assert (checkpoints / "step-00000015.corrupt").is_dir()
     summary = read_summary(tmp_path / "runs")
     assert (summary["resumed_from_step"], summary["global_step"], summary["status"]) == (10, STEPS, "completed")
-    assert_same_params(fsdp_full_params(tmp_path / "checkpoints"), fsdp_full_params(fsdp_run / "checkpoints"))
+    assert_same_params(fsdp_full_params(checkpoints), fsdp_full_params(fsdp_run / "checkpoints"))
 
 
 # ------------------------------------------------------------------------------- another world size

@@ -18,6 +18,7 @@ from helpers import (
     files_under,
     free_port,
     read_summary,
+    skip_or_fail_in_ci,
     srun_task_env,
 )
 
@@ -130,7 +131,7 @@ def test_preflight_runs_the_doctor(tmp_path):
 def test_trainer_launch_trains_with_two_processes(tmp_path):
     launcher = shutil.which("trainer-launch")
     if launcher is None:
-        pytest.skip("trainer-launch is not installed (pip install -e .)")
+        skip_or_fail_in_ci("trainer-launch is not installed (pip install -e .)")
     env = clean_env({"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
     args = ["--model", "cnn", "--synthetic-size", "128", "--batch-size", "8", "--max-steps", "3",
             "--checkpoint-every", "0", *dirs_args(tmp_path)]

@@ -10,10 +10,21 @@ import subprocess
 import time
 
 import pytest
-
-from helpers import (RUN_TIMEOUT_S, assert_same_params, assert_usage_error, checkpoint_steps, clean_env, dirs_args,
-                     final_params, finished_run, load_checkpoint, read_summary, run_trainer, train_ok,
-                     trainer_command)
+from helpers import (
+    RUN_TIMEOUT_S,
+    assert_same_params,
+    assert_usage_error,
+    checkpoint_steps,
+    clean_env,
+    dirs_args,
+    final_params,
+    finished_run,
+    load_checkpoint,
+    read_summary,
+    run_trainer,
+    train_ok,
+    trainer_command,
+)
 
 STEPS_PER_EPOCH = 1600 // (2 * 8)
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH
@@ -108,9 +119,15 @@ def test_a_finished_run_started_again_changes_nothing(tmp_path):
     train_ok([*run, "--epochs", "2"], tmp_path)
     summary = (tmp_path / "runs" / "summary.json").read_bytes()
     checkpoints = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").iterdir()}
+    logs = {p.relative_to(tmp_path): (p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "runs").rglob("*")}
+    events = [p for p in logs if p.name.startswith("events.out.tfevents.")]
+    assert events, sorted(logs)
     again = train_ok([*run, "--epochs", "2"], tmp_path)
     assert "nothing to do: " in again.stderr and "is at step 8 of 8" in again.stderr, again.stderr[-3000:]
     assert (tmp_path / "runs" / "summary.json").read_bytes() == summary
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").iterdir()} == checkpoints
+    # TensorBoard's events (and everything else in the log directory): no new file, none written to.
+    assert {p.relative_to(tmp_path): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in (tmp_path / "runs").rglob("*")} == logs
     longer = train_ok([*run, "--epochs", "3"], tmp_path)  # more epochs: it trains on from step 8
     assert "resuming from" in longer.stderr and read_summary(tmp_path / "runs")["global_step"] == 12

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Iterable
+
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -63,12 +64,6 @@ def image_exists(client, tag: str) -> bool:
         return True
     except docker.errors.ImageNotFound:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Project:

@@ -103,8 +103,9 @@ class Throughput:
     """Training samples/s. Not counted: the first `warmup` steps (allocator, cudnn, compile) and time
     spent `paused()` (validation, checkpoints), which would make the number depend on their settings."""
 
-    def __init__(self, samples_per_step: int, warmup: int, sync: Callable[[], None]):
-        self.samples_per_step, self.warmup, self.sync = samples_per_step, warmup, sync
+    def __init__(self, samples_per_step: int, warmup: int, sync: Callable[[], None],
+                 clock: Callable[[], float] = time.perf_counter):
+        self.samples_per_step, self.warmup, self.sync, self.clock = samples_per_step, warmup, sync, clock
         self.steps_seen = 0
         self.paused_s = 0.0
         self.start: tuple[float, float] | None = None  # (clock, paused_s) where the steady-state window opens
@@ -113,15 +114,15 @@ class Throughput:
         self.window, self.window_steps = self._now(), 0  # the logging window
 
     def _now(self) -> tuple[float, float]:
-        return time.perf_counter(), self.paused_s
+        return self.clock(), self.paused_s
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         self.sync()  # queued training work belongs to training, and queued pause work to the pause
-        began = time.perf_counter()
+        began = self.clock()
         yield
         self.sync()
-        self.paused_s += time.perf_counter() - began
+        self.paused_s += self.clock() - began
 
     def step(self, last: bool = False) -> None:
         """last: the run's final step; the window closes there, before the final checkpoint is written."""

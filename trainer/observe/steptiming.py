@@ -23,7 +23,6 @@ STRAGGLER_THRESHOLD in STRAGGLER_WINDOWS windows in a row: the others spend that
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import statistics
 import time
@@ -37,7 +36,6 @@ BUSY_FIELDS = ("data_wait_ms", "compute_ms", "optimizer_ms")  # a straggler is b
 SLOT = ("steps", *FIELDS, "max_memory_mb", "utilization_pct")  # one rank's numbers in the window's all-reduce
 STRAGGLER_THRESHOLD = 0.15  # busy time above the median rank's by more than this
 STRAGGLER_WINDOWS = 3  # ... in this many --log-every windows in a row
-SLOW_RANK_ENV = "DDP_TRAINER_TEST_SLOW_RANK"  # tests only: "RANK:SECONDS" slows that rank's every batch fetch
 _DATA, _COMM, _OPT, _SPAN = range(4)
 
 
@@ -87,9 +85,6 @@ class StepTiming:
         self.step_start = self.got_batch = self.last_grad = self.opt_start = None
         self.steps = 0
         self.utilization_readable = self.cuda
-        slow = os.environ.get(SLOW_RANK_ENV, "")
-        rank, _, seconds = slow.partition(":")
-        self.sleep_s = float(seconds) if slow and int(rank) == ctx.rank else 0.0
         # The shared-memory all-reduce (shm_allreduce.py) waits inside backward: its hook keeps its intervals.
         self.comm_hook_state = next((state for _, state in getattr(ddp_model, "_comm_hooks", [])
                                      if hasattr(state, "intervals")), None)
@@ -116,8 +111,6 @@ class StepTiming:
                 batch = next(iterator)
             except StopIteration:
                 return
-            if self.sleep_s:
-                time.sleep(self.sleep_s)
             self.got_batch = self.clock.mark()
             self.pending.append((_DATA, begin, self.got_batch))
             yield batch
