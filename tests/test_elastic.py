@@ -100,3 +100,32 @@ def test_a_lost_host_shrinks_the_job_a_returning_one_grows_it_and_every_sample_i
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert summary["global_step"] == SAMPLES // GLOBAL_BATCH
     print(f"lost host to the first step at world size 1: {regrouped_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_losing_the_rendezvous_host_ends_the_others_naming_it_and_a_restart_resumes(tmp_path, launches):
+    """The c10d store lives on the MASTER_ADDR host: the job cannot outlive it. The other host stops at once with
+    a line naming it (not torchrun's store errors), exit 1; started again, the job resumes from the newest
+    checkpoint."""
+    port = free_port()
+    store_host = host(tmp_path, port, "hostA")
+    launches.append(store_host)
+    time.sleep(2)
+    other = host(tmp_path, port, "hostB")
+    launches.append(other)
+    checkpoints = tmp_path / "checkpoints"
+    wait_until(lambda: any(checkpoints.glob("step-*.pt")), RUN_BOUND_S,
+               f"a first checkpoint\n{store_host.output()[-3000:]}\n{other.output()[-3000:]}")
+    os.kill(store_host.pid, signal.SIGKILL)
+    assert other.wait(60) == 1, other.output()[-3000:]
+    last = [line for line in other.output().splitlines() if line.startswith("error: ")][-1]
+    assert last.startswith(f"error: training failed: the rendezvous host 127.0.0.1 went away (its c10d store at "
+                           f"127.0.0.1:{port} stopped answering)"), other.output()[-3000:]
+    assert "Traceback" not in other.output()
+    newest = max(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
+
+    again = host(tmp_path, port, "hostA-again")  # MIN is 1: one host is a job
+    launches.append(again)
+    assert again.wait(RUN_BOUND_S) == 0, again.output()[-4000:]
+    summary = read_summary(tmp_path / "runs")
+    assert summary["resumed_from_step"] == newest and summary["status"] == "completed"

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailureLines(args))
-    endpoint = f"{_arg(args, 'master-addr')}:{_arg(args, 'master-port')}"
+    endpoint = _arg(args, "rdzv-endpoint", f"{_arg(args, 'master-addr')}:{_arg(args, 'master-port')}")
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     config = parse_args(args)
     run_through_bootstrap(config)
@@ -324,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
             gone = end_presence(beat, "failed", args, failed=started)
             if gone:
                 print_error(f"training failed: {gone}")
+                return 1
+            if ":" in _arg(args, "nnodes", "1") and workers.read_workers(Path(folder)):  # elastic, and it had run
+                host = endpoint.rpartition(":")[0]
+                print_error(f"training failed: the rendezvous host {host} went away (its c10d store at {endpoint} "
+                            "stopped answering): an elastic job goes on without any host but that one (start it "
+                            "again there, with the others: the job resumes from the newest checkpoint)")
                 return 1
             detail = " ".join(str(err).split())[:300]
             fix = rendezvous_fix(os.environ)
