@@ -33,7 +33,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = ROOT / "k8s"
 MANIFESTS = {"trainjob": K8S_DIR / "trainjob.yaml", "pytorchjob": K8S_DIR / "pytorchjob.yaml",
-             "indexed-job": K8S_DIR / "indexed-job.yaml", "storage": K8S_DIR / "storage.yaml"}
+             "indexed-job": K8S_DIR / "indexed-job.yaml", "storage": K8S_DIR / "storage.yaml",
+             "pytorchjob-elastic": K8S_DIR / "pytorchjob-elastic.yaml"}
 # Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
 OLDEST_KUBERNETES = "1.29"
 K8S_DEFS = "https://kubernetes.io/api/_definitions.json"
@@ -261,7 +262,30 @@ def static_env(container: dict) -> dict[str, str]:
 
 
 def pod_environments(kind: str, docs: list[dict]) -> list[Pod]:
-    return {"trainjob": _trainjob_pods, "pytorchjob": _pytorchjob_pods, "indexed-job": _indexed_job_pods}[kind](docs)
+    return {"trainjob": _trainjob_pods, "pytorchjob": _pytorchjob_pods, "indexed-job": _indexed_job_pods,
+            "pytorchjob-elastic": _elastic_pytorchjob_pods}[kind](docs)
+
+
+def _elastic_pytorchjob_pods(docs: list[dict]) -> list[Pod]:
+    """kubeflow/training-operator pkg/controller.v1/pytorch/elastic.go (ElasticEnvVarGenerator) for a job of
+    Worker replicas only: PYTHONUNBUFFERED=0, PET_RDZV_ENDPOINT (<job>-worker-0:<the pytorchjob-port>),
+    PET_RDZV_BACKEND (rdzvBackend, c10d by default), PET_NNODES (minReplicas:maxReplicas), PET_MAX_RESTARTS
+    (maxRestarts), PET_NPROC_PER_NODE (nprocPerNode); no Master, so no MASTER_*, RANK or WORLD_SIZE."""
+    job = one(docs, "PyTorchJob")
+    name, policy, specs = job["metadata"]["name"], job["spec"]["elasticPolicy"], job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Worker"}, "the model below covers an elastic job of workers"
+    [port] = [p["containerPort"] for c in specs["Worker"]["template"]["spec"]["containers"] if c["name"] == "pytorch"
+              for p in c.get("ports", []) if p.get("name") == "pytorchjob-port"]
+    pods = []
+    for i in range(specs["Worker"].get("replicas", 1)):
+        pod_spec = specs["Worker"]["template"]["spec"]
+        [container] = [c for c in pod_spec["containers"] if c["name"] == "pytorch"]
+        env = {**static_env(container), "PYTHONUNBUFFERED": "0", "PET_RDZV_ENDPOINT": f"{name}-worker-0:{port}",
+               "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d"),
+               "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+               "PET_MAX_RESTARTS": str(policy["maxRestarts"]), "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"]}
+        pods.append(Pod(f"{name}-worker-{i}", i, env, container, pod_spec))
+    return pods
 
 
 def _trainjob_pods(docs: list[dict]) -> list[Pod]:

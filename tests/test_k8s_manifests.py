@@ -176,3 +176,19 @@ def test_each_pod_resolves_its_own_node_of_one_topology(workload):
         assert SOURCE[workload] in topology["source"].split("+"), topology
         assert topology["command"][:3] == ["torchrun", "--nnodes=2", f"--node-rank={pod.index}"]
     assert len({(t["master_addr"], t["master_port"], t["source"]) for t in resolved}) == 1
+
+
+def test_an_elastic_pytorchjobs_pods_resolve_one_c10d_rendezvous_at_worker_0():
+    """elasticPolicy minReplicas:maxReplicas: every pod gets the same settings from the operator and runs
+    torchrun's c10d rendezvous at worker-0 with the range, restarts from maxRestarts, no node rank of its own."""
+    pods = k8s.pod_environments("pytorchjob-elastic", k8s.documents(k8s.MANIFESTS["pytorchjob-elastic"]))
+    assert len(pods) == 2
+    resolved = [dry_run(pod.env) for pod in pods]
+    for topology in resolved:
+        assert (topology["nnodes"], topology["min_nodes"], topology["max_nodes"]) == ("1:2", 1, 2), topology
+        assert topology["node_rank"] == "assigned by the rendezvous" and topology["world_sizes"] == [4, 8]
+        assert (topology["master_addr"], topology["master_port"]) == ("ddp-trainer-elastic-worker-0", 29500)
+        command = topology["command"]
+        assert command[:2] == ["torchrun", "--nnodes=1:2"] and "--rdzv-backend=c10d" in command
+        assert "--rdzv-endpoint=ddp-trainer-elastic-worker-0:29500" in command and "--max-restarts=10" in command
+    assert len({json.dumps(t, sort_keys=True) for t in resolved}) == 1  # the same job on every pod

@@ -287,7 +287,10 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
     if topology.mode == topo.DIRECT:  # this process is one rank already: no torchrun
         command = single_worker_command(program.args, program.target)
     else:
-        max_restarts = env_int(env, "MAX_RESTARTS", DEFAULT_ELASTIC_RESTARTS if topology.elastic else 0, 0)
+        default_restarts = DEFAULT_ELASTIC_RESTARTS if topology.elastic else 0
+        if topology.elastic and not env.get("MAX_RESTARTS", "").strip():  # Kubeflow's elasticPolicy.maxRestarts
+            default_restarts = env_int(env, "PET_MAX_RESTARTS", default_restarts, 0, source="torchrun-env")
+        max_restarts = env_int(env, "MAX_RESTARTS", default_restarts, 0)
         env_int(env, "HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT, 0)  # the supervisor's watchdog reads it
         rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
         command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
