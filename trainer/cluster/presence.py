@@ -65,6 +65,9 @@ class Presence(threading.Thread):
         """The store stopped answering this host's beats a while ago (not merely between two of them)."""
         return self.slot is not None and time.monotonic() - self.answered > 4 * BEAT_S + STORE_S
 
+    def stop(self) -> None:
+        self._done.set()
+
     def leave(self, why: str) -> None:
         """This launcher ends on its own: its slot is not a host that went away."""
         self._done.set()

@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                        "unset and the launcher takes a free one)")
             print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({fix})")
             return 1
-        end_presence(beat, "done", args, failed=False)
+        if beat is not None:  # every host finished: nobody looks for the gone, and the store has ended
+            beat.stop()
         alone = workers.trained_alone(workers.read_workers(Path(folder)), world_size(args))
         if alone is not None:
             print(alone, file=sys.stderr, flush=True)
