@@ -66,11 +66,15 @@ class Presence(threading.Thread):
         return self.slot is not None and time.monotonic() - self.answered > 4 * BEAT_S + STORE_S
 
     def stop(self) -> None:
+        """No more beats; the thread is gone before this returns (a store client's thread killed at the
+        interpreter's exit aborts the process)."""
         self._done.set()
+        if self.is_alive():
+            self.join(STORE_S + 2 * BEAT_S)
 
     def leave(self, why: str) -> None:
         """This launcher ends on its own: its slot is not a host that went away."""
-        self._done.set()
+        self.stop()
         if self.slot is None or self._store_silent():
             return
         try:

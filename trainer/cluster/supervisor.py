@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             print(message, file=sys.stderr, flush=True)
             return code
         except (RendezvousError, DistError, TimeoutError) as err:
-            started = beat is not None and beat.slot is not None
+            started = bool(workers.read_workers(Path(folder)))  # else the rendezvous never completed
             gone = end_presence(beat, "failed", args, failed=started)
             if gone:
                 print_error(f"training failed: {gone}")
@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                        "unset and the launcher takes a free one)")
             print_error(f"rendezvous at {endpoint} ({_arg(args, 'nnodes')} nodes) failed: {detail} ({fix})")
             return 1
-        if beat is not None:  # every host finished: nobody looks for the gone, and the store has ended
-            beat.stop()
+        finally:
+            if beat is not None:  # stopped on every way out (after the verdicts above, which need it beating)
+                beat.stop()
         alone = workers.trained_alone(workers.read_workers(Path(folder)), world_size(args))
         if alone is not None:
             print(alone, file=sys.stderr, flush=True)
