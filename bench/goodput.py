@@ -69,7 +69,7 @@ def free_port() -> int:
 
 def host_command(mode: str, args, work: Path) -> list[str]:
     train = ["--model", args.model, "--synthetic-size", str(args.steps * args.batch_size * 2), "--synthetic-image-size",
-             str(args.image_size), "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
+             str(args.image_size), "--image-size", str(args.image_size),  # the batch: TRAIN_GLOBAL_BATCH_SIZE
              "--epochs", "1", "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
              "--warmup-steps", "5", "--checkpoint-dir", str(work / "checkpoints"), "--log-dir", str(work / "runs")]
     if mode == "torchrun":
