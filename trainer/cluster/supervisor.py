@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             if gone:
                 print_error(f"training failed: {gone}")
                 return 1
-            if ":" in _arg(args, "nnodes", "1") and workers.read_workers(Path(folder)):  # elastic, and it had run
+            if started and ":" in _arg(args, "nnodes", "1"):  # elastic, and it had run: its store's host is gone
                 host = endpoint.rpartition(":")[0]
                 print_error(f"training failed: the rendezvous host {host} went away (its c10d store at {endpoint} "
                             "stopped answering): an elastic job goes on without any host but that one (start it "
