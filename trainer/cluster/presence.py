@@ -34,12 +34,7 @@ class Presence(threading.Thread):
         self._done = threading.Event()
 
     def _client(self):
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        return TCPStore(self.store_at[0], self.store_at[1], is_master=False, timeout=timedelta(seconds=STORE_S),
-                        wait_for_workers=False)
+        return store_client(self.store_at, STORE_S)
 
     def _ask(self):
         if self._asking is None:
@@ -122,6 +117,15 @@ class Presence(threading.Thread):
             return None
         return (f"{' and '.join(names)} went away (its launcher stopped answering the rendezvous store "
                 f"for {SETTLE_S:g} s: the launcher, its machine or the network to it is gone)")
+
+
+def store_client(at: tuple[str, int], timeout_s: float):
+    """A client of torchrun's rendezvous store (never its host): the launcher's own keys beside torchrun's."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(at[0], at[1], is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def label(node_rank: str) -> str:

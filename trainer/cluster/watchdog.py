@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.cluster import workers
+from trainer.cluster.presence import store_client
 
 DEFAULT_HANG_TIMEOUT = 600  # seconds: well under torch's 30-minute collective default, above a slow first step
 HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
@@ -88,12 +89,7 @@ class Progress:
             return None
         try:
             if self._store is None:
-                from datetime import timedelta
-
-                from torch.distributed import TCPStore
-
-                self._store = TCPStore(self.store_at[0], self.store_at[1], is_master=False,
-                                       timeout=timedelta(seconds=10), wait_for_workers=False)
+                self._store = store_client(self.store_at, 10)
             return int(self._store.add(self.KEY, add))
         except Exception:  # noqa: BLE001 (the store is torchrun's; its host gone, the job fails without us)
             return None
