@@ -129,3 +129,28 @@ def test_losing_the_rendezvous_host_ends_the_others_naming_it_and_a_restart_resu
     assert again.wait(RUN_BOUND_S) == 0, again.output()[-4000:]
     summary = read_summary(tmp_path / "runs")
     assert summary["resumed_from_step"] == newest and summary["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_that_is_not_shared_stops_every_host_with_one_line_and_no_restarts(tmp_path, launches):
+    """Bad input: each host's own directory (a local disk of the same path, here two folders). Rank 0 leaves a
+    marker; the other host does not see it: every host stops with exit 2 and the one line naming it, before a
+    step is trained at world size 2, and a usage error is not restarted (MAX_RESTARTS is 10 under a range)."""
+    port = free_port()
+    hosts = []
+    for name in ("hostA", "hostB"):
+        out = tmp_path / name  # its own checkpoint directory: out/checkpoints
+        out.mkdir()
+        hosts.append(host(out, port, name))
+        launches.append(hosts[-1])
+        time.sleep(2)
+    for one in hosts:
+        assert one.wait(RUN_BOUND_S) == 2, one.output()[-4000:]
+    for one in hosts:
+        output = one.output()
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert errors[0].startswith("error: checkpoint_dir: ") and "is not one directory that every host of this " \
+            "elastic job shares: rank 1 on " in errors[0] and "(use a directory every host mounts" in errors[0], output
+        assert errors[-1].endswith("(a mistake in the settings is not restarted)"), output
+        assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    assert not list(tmp_path.glob("host*/checkpoints/.shared-check-*"))  # rank 0 removed its marker

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,19 @@ from typing import Any, Callable
 
 from trainer.checkpoint import state as ckpt
 from trainer.checkpoint.state import Position, Registered
-from trainer.checkpoint.store import CheckpointError, claim, ensure_output_dir, load_for_resume, save, save_sharded
-from trainer.core.errors import Diverged, UsageError
+from trainer.checkpoint.store import (
+    CheckpointError,
+    claim,
+    ensure_output_dir,
+    leave_marker,
+    load_for_resume,
+    remove_marker,
+    save,
+    save_sharded,
+    sees_marker,
+)
+from trainer.config.settings import ELASTIC_WORLD_ENV
+from trainer.core.errors import Diverged, EchoedUsageError, UsageError
 from trainer.dist import collectives
 from trainer.dist.context import DistContext
 from trainer.dist.strategy import is_sharded, weights_are_finite
@@ -105,6 +118,27 @@ class Checkpointer:
                 raise UsageError(self.labels.checkpoint_dir, *err.parts[1:]) from None
 
         collectives.on_main_then_share(self.ctx, prepare)
+        if os.environ.get(ELASTIC_WORLD_ENV) and self.ctx.world_size > self.ctx.topology.local_world_size:
+            self._check_shared()
+
+    def _check_shared(self) -> None:
+        """An elastic job's rank 0 may be on another host after each change, and resumes from what it finds there:
+        every host must see one directory (a network file system), not a local one of the same name. Rank 0 leaves
+        a marker; the first process of every host looks for it in its own directory; any host that does not see
+        it stops the job (exit 2 on every rank) before a step is trained."""
+        marker, writer = collectives.on_main_then_share(self.ctx, lambda: leave_marker(self.directory))
+        seen = sees_marker(self.directory, marker) if self.ctx.is_local_main else True
+        blind = collectives.all_gather_objects(self.ctx, None if seen else (self.ctx.rank, socket.gethostname()))
+        if self.ctx.is_main:
+            remove_marker(self.directory, marker)
+        blind = [who for who in blind if who is not None]
+        if blind:
+            hosts = ", ".join(f"rank {rank} on {host}" for rank, host in blind)
+            error = UsageError if self.ctx.is_local_main else EchoedUsageError  # one line per host
+            raise error(self.labels.checkpoint_dir, f"{self.directory} is not one directory that every host of this "
+                        f"elastic job shares: {hosts} does not see the file rank 0 (on {writer}) wrote there",
+                        "use a directory every host mounts (NFS, a cloud file system): after a host is lost, rank 0 "
+                        "may be on another host and resumes from what it finds there")
 
     def register(self, objects: dict[str, Any], setting: str) -> Registered:
         self.objects = Registered(objects, setting)

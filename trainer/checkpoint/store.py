@@ -14,9 +14,11 @@ import fcntl
 import logging
 import os
 import re
+import secrets
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,6 +70,35 @@ def claim(directory: Path) -> IO[str]:
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
     return lock
+
+
+SHARED_MARKER = ".shared-check-"
+SHARED_WAIT_S = 5.0  # a network file system's attribute cache may show a new file to another host a little late
+
+
+def leave_marker(directory: Path) -> tuple[str, str]:
+    """A marker file only this run's rank 0 wrote, for the other hosts to look for: (its name, this host)."""
+    name = f"{SHARED_MARKER}{secrets.token_hex(8)}"
+    with atomic_file(directory / name, "w") as f:
+        f.write(socket.gethostname())
+    return name, socket.gethostname()
+
+
+def sees_marker(directory: Path, name: str, wait_s: float = SHARED_WAIT_S) -> bool:
+    """Whether this host sees rank 0's marker in its own `directory` (the same path on every host)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if (directory / name).is_file():
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
+def remove_marker(directory: Path, name: str) -> None:
+    with contextlib.suppress(OSError):
+        (directory / name).unlink()
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:

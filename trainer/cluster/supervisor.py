@@ -20,7 +20,7 @@ from typing import Iterator, Mapping
 
 from trainer.cluster import presence, workers
 from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT, Watchdog
-from trainer.core.errors import UsageError, print_error
+from trainer.core.errors import USAGE_EXIT_CODE, UsageError, print_error
 
 # Workers find their host's agent (this process) here: see stop_host_agent.
 AGENT_PID_ENV = "TRAINER_AGENT_PID"
@@ -99,6 +99,10 @@ def _import_torch_quietly() -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+class WorkerUsageError(Exception):
+    """A worker exited with the usage-error code (2) where torchrun would restart it."""
+
+
 class _FailureLines(logging.Filter):
     """torchrun logs each worker failure on its own; the one line main() prints says it for all of them. A
     failure torchrun restarts the group for is announced instead, in one line (the restarted ranks then say
@@ -121,7 +125,12 @@ class _FailureLines(logging.Filter):
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 what = f"rank {self.base_rank + local_rank} {how}"
             except (TypeError, ValueError, IndexError):  # another torch's record: say less, never fail
-                what = "a worker failed"
+                code, what = None, "a worker failed"
+            if code == USAGE_EXIT_CODE:
+                # A mistake in the settings (the one-line error above) fails the same way every time: a restart
+                # would only print it again, MAX_RESTARTS times. torchrun's agent stops its workers and closes the
+                # rendezvous on the way out, so the other hosts' agents end too.
+                raise WorkerUsageError(what)
             then = (f"the hosts still here meet again (NNODES={self.nodes}) and every rank starts again from the "
                     "newest checkpoint, at the new world size") if ":" in self.nodes else (
                     "every rank of this host starts again from the newest checkpoint")
@@ -310,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
             message, code = describe_child_failure(err.failures, gone)
             print_error(message)
             return code
+        except WorkerUsageError as err:
+            end_presence(beat, "failed", args, failed=False)
+            print_error(f"training failed: {err}; its own error is printed above (a mistake in the settings is not "
+                        "restarted)")
+            return USAGE_EXIT_CODE
         except SignalException as err:
             end_presence(beat, "stopped", args, failed=False)
             if dog is not None and dog.fired:
