@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 from fault_helpers import wait_until
-from helpers import checkpoint_steps, clean_env, dirs_args, load_checkpoint, read_summary, run_trainer
+from helpers import checkpoint_steps, clean_env, dirs_args, load_checkpoint, read_summary, run_trainer, train_ok
 
-from trainer.checkpoint import store
+from trainer.checkpoint import sharded, store
 
 # resnet18's 11 M parameters and their momentum take long enough to write that the next steps run meanwhile:
 # a write of the live tensors instead of a copy would catch them half-updated.
@@ -103,3 +103,30 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint_the_ne
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == newest
     assert not list(directory.glob(".tmp-step-*"))
+
+
+@pytest.mark.slow
+def test_fsdp_background_checkpoints_are_the_synchronous_ones(tmp_path):
+    """Under fsdp every rank's shard is copied at the step and written by DCP's async_save while later steps
+    run (its collectives on a group of their own); rank 0 commits once every shard is on disk. Each committed
+    directory holds the same model and optimizer tensors as a synchronous run's directory at that step, and
+    none is left uncommitted."""
+    run = ["--model", "resnet18", "--synthetic-size", "320", "--synthetic-image-size", "16", "--image-size", "16",
+           "--batch-size", "8", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "10",
+           "--warmup-steps", "2", "--strategy", "fsdp", "--num-workers", "0"]
+    train_ok([*run, *dirs_args(tmp_path / "sync")], tmp_path, nproc=2)
+    background = train_ok([*run, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path, nproc=2)
+    def committed(root):
+        return sorted(int(p.name.split("-")[1]) for p in store.list_checkpoints(root / "checkpoints"))
+    steps = committed(tmp_path / "sync")
+    assert steps == committed(tmp_path / "async") and len(steps) == 4, steps
+    assert background.stderr.count("checkpoint committed: ") == len(steps), background.stderr[-3000:]
+    assert not list((tmp_path / "async" / "checkpoints").glob(".tmp-*"))
+    for step in steps:
+        name = f"step-{step:08d}"
+        for key in ("model", "optimizer"):
+            a = sharded.full_model_state(tmp_path / "sync" / "checkpoints" / name, key)
+            b = sharded.full_model_state(tmp_path / "async" / "checkpoints" / name, key)
+            assert a.keys() == b.keys() and a, (name, key)
+            for tensor in a:
+                assert torch.equal(a[tensor], b[tensor]), f"{name}: {key}.{tensor}"

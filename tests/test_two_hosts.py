@@ -40,14 +40,18 @@ class Host:
     address: str
     node_rank: int
 
-    def launch(self, root: Path, samples: int, preflight: bool = False) -> Launch:
-        """This host's node of the run; its files (node 0's checkpoints) stay under root, as on a real host."""
+    def launch(self, root: Path, samples: int, preflight: bool = False, elastic: bool = False) -> Launch:
+        """This host's node of the run; its files (node 0's checkpoints) stay under root, as on a real host.
+        elastic: NNODES=1:2 and no NODE_RANK, the same settings on both hosts (root: one shared directory)."""
         root.mkdir(exist_ok=True)
         args = tiny_run(root, samples) + ["--collective-timeout", str(COLLECTIVE_TIMEOUT_S)]
         env = {"NNODES": "2", "NODE_RANK": str(self.node_rank), "NPROC_PER_NODE": "1",
                "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
                "GLOO_SOCKET_IFNAME": self.veth, "PREFLIGHT": "1" if preflight else "0",
                "TRAIN_NUM_WORKERS": "0"}  # the doctor sizes /dev/shm for DataLoader workers; in-memory data has none
+        if elastic:
+            env["NNODES"] = "1:2"
+            del env["NODE_RANK"]
         return Launch(args, root, env, name=f"node{self.node_rank}", prefix=["ip", "netns", "exec", self.netns])
 
     def link(self, state: str) -> None:
@@ -132,3 +136,37 @@ def test_two_namespaces_train_together_fail_fast_when_the_link_is_cut_and_resume
     summary = read_summary(tmp_path / "node0" / "runs")
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert summary["resumed_from_step"] == committed and summary["global_step"] == 75  # 2400 / (16 x 2)
+
+
+def test_an_elastic_job_goes_on_alone_when_the_link_to_the_other_host_is_cut(hosts, tmp_path, launches):
+    """NNODES=1:2 across the two namespaces, one checkpoint directory both see (as hosts share a file system).
+    The link to host 1 is cut: no connection closes, nothing answers. Host 0 (the rendezvous host) is not left
+    hanging in its collective (torch's elastic agents re-rendezvous only on a worker failure, pytorch #111646):
+    the collective times out, its agent restarts, the rendezvous drops the silent host, and host 0 trains to the
+    end at world size 1 from the newest checkpoint. Host 1 cannot reach the rendezvous store: it exits non-zero
+    naming the rendezvous host."""
+    shared = tmp_path / "shared"
+    nodes = []
+    for host in hosts:
+        nodes.append(host.launch(shared, 2400, elastic=True))
+        launches.append(nodes[-1])
+        time.sleep(1)  # host 0 first: its launcher hosts the c10d store at MASTER_ADDR
+    checkpoints = shared / "checkpoints"
+    wait_until(lambda: checkpoint_files(checkpoints) or nodes[0].proc.poll() is not None, RUN_BOUND_S,
+               "the first checkpoint")
+    assert all(node.proc.poll() is None for node in nodes), nodes[0].output()[-3000:]
+    assert "world size 2 " in nodes[0].output(), nodes[0].output()[-3000:]
+    committed = checkpoint_steps(checkpoints)[-1]
+
+    hosts[1].link("down")
+    assert nodes[0].wait(RUN_BOUND_S) == 0, nodes[0].output()[-4000:]
+    output = nodes[0].output()
+    assert "Traceback" not in output, output[-4000:]
+    assert re.search(r"^restart 1 of 10: rank 0 exited with code 1; the hosts still here meet again \(NNODES=1:2\)",
+                     output, re.M), output[-4000:]
+    summary = read_summary(shared / "runs")
+    assert summary["status"] == "completed" and summary["world_size"] == 1 and summary["global_step"] == 75
+    assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= committed, summary
+    assert nodes[1].wait(RUN_BOUND_S) != 0, nodes[1].output()[-4000:]
+    errors = error_lines(nodes[1].output())
+    assert errors and f"the rendezvous host {MASTER_ADDR} went away" in errors[-1], nodes[1].output()[-3000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.checkpoint import state as ckpt
+from trainer.checkpoint.sharded import async_save_available
 from trainer.checkpoint.state import Position, Registered
 from trainer.checkpoint.store import (
     CheckpointError,
@@ -29,6 +30,7 @@ from trainer.checkpoint.store import (
     remove_marker,
     save,
     save_sharded,
+    save_sharded_in_background,
     sees_marker,
 )
 from trainer.config.settings import ELASTIC_WORLD_ENV
@@ -75,8 +77,17 @@ class Checkpointer:
         self.last_committed: int | None = None  # on disk, whole and renamed: what a resume would find
         self.last_requested: int | None = None  # the same on every rank: committed, or being written by rank 0
         # --checkpoint-async: rank 0 copies the state to CPU memory and a thread writes it while training goes
-        # on (one write at a time); sharded (fsdp) checkpoints are written in the step.
-        self.background = background and not sharded
+        # on (one write at a time); under fsdp every rank copies its shard and DCP's async_save writes them, its
+        # collectives on a gloo group of their own (the training's groups are busy meanwhile).
+        self.background = background and (not sharded or async_save_available())
+        self._background_group = None
+        if self.background and sharded and ctx.distributed:
+            import torch.distributed as dist
+
+            self._background_group = dist.new_group(backend="gloo", timeout=dist.default_pg_timeout)
+        elif background and not self.background:
+            log.warning("--checkpoint-async: this torch has no torch.distributed.checkpoint.async_save; fsdp's "
+                        "checkpoints are written in the step")
         self._writer: threading.Thread | None = None
         self._write_failed: CheckpointError | None = None
         self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
@@ -197,7 +208,17 @@ class Checkpointer:
         info = ckpt.meta(pos, samples_per_batch, config, self.door, self.objects.names(), self.ctx.device)
         self.last_requested = pos.step
         if background and self.background:
-            if self.ctx.is_main:  # a copy the next steps cannot change, then the write in a thread
+            if self.sharded:  # every rank: its shard copied now, written by DCP's thread, committed by rank 0
+                model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
+                rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
+                try:
+                    finish = save_sharded_in_background(self.directory, pos.step, model, optimizer, rest, self.ctx,
+                                                        self.keep, (model_name, optim_name), self._background_group)
+                except CheckpointError as err:
+                    raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
+                self._writer = threading.Thread(target=self._write, args=(pos.step, finish), name="checkpoint-writer")
+                self._writer.start()
+            elif self.ctx.is_main:  # a copy the next steps cannot change, then the write in a thread
                 state = cpu_copy(ckpt.snapshot(self.objects, info))
                 self._writer = threading.Thread(target=self._write, args=(pos.step, state), name="checkpoint-writer")
                 self._writer.start()
@@ -218,13 +239,16 @@ class Checkpointer:
         self.last_committed = pos.step
         collectives.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
-    def _write(self, step: int, state: dict[str, Any]) -> None:
+    def _write(self, step: int, state: dict[str, Any] | Callable[[], Path]) -> None:
+        """The writer thread: rank 0's copy of the state, or (fsdp) the function that waits for the shards and
+        commits them."""
         try:
-            path = save(self.directory, step, state, self.keep)
+            path = state() if callable(state) else save(self.directory, step, state, self.keep)
         except CheckpointError as err:
             self._write_failed = CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1))
             return
-        log.info("checkpoint committed: %s", path)
+        if self.ctx.is_main:
+            log.info("checkpoint committed: %s", path)
         self.last_committed = step
 
     def wait(self) -> None:

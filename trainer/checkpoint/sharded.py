@@ -26,6 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
+from trainer.core.files import TEMP_PREFIX
+
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"  # written last: a directory without it is not a checkpoint
@@ -189,15 +191,26 @@ def full_model_state(directory: Path, key: str = "model") -> dict[str, torch.Ten
 
 # --------------------------------------------------------------------------------- committing
 
+def async_save_available() -> bool:
+    """DCP's async_save (public, marked experimental): without it (an older or changed torch) --checkpoint-async
+    writes fsdp's checkpoints in the step, as before."""
+    import torch.distributed.checkpoint as dcp
+
+    return callable(getattr(dcp, "async_save", None))
+
+
 def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx, final: Path,
-         names: tuple[str, str] = ("model", "optimizer")) -> None:
+         names: tuple[str, str] = ("model", "optimizer"), background_group=None):
     """Every rank calls this; `final` is step-NNNNNNNN/ in directory. Raises OSError/RuntimeError on
-    any rank's failure (every rank raises: DCP and the broadcast below share the outcome)."""
+    any rank's failure (every rank raises: DCP and the broadcast below share the outcome).
+
+    background_group: a gloo group of its own for DCP's async_save, whose thread runs its collectives while
+    training uses the others. Each rank's shard is then copied to CPU memory here and written in the
+    background, and this returns `finish`: it waits for every rank's shard (DCP's index is written once all
+    are), then rank 0 commits; only rank 0 learns of a failure then."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainer.core import files
-    from trainer.core.files import TEMP_PREFIX, fsync_dir, fsync_file
     from trainer.dist import collectives
 
     temp = directory / f"{TEMP_PREFIX}{final.name}"  # one name on every rank: they write into one directory
@@ -213,27 +226,43 @@ def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx
 
     _raise_if(collectives.broadcast_from_main(ctx, prepare() if ctx.is_main else None))
     tensors, param_groups = tensor_state(model, optimizer, names)
+    writer = FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True)
+    if background_group is not None:
+        with _one_process_quietly():
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=background_group)
+
+        def finish() -> None:
+            future.result()
+            if ctx.is_main:
+                _raise_if(_commit(temp, final, step, ctx.world_size, {**rest, "param_groups": param_groups}))
+        return finish
     with _one_process_quietly():
-        dcp.save(tensors, storage_writer=FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True))
+        dcp.save(tensors, storage_writer=writer)
+    failure = _commit(temp, final, step, ctx.world_size, {**rest, "param_groups": param_groups}) if ctx.is_main else None
+    _raise_if(collectives.broadcast_from_main(ctx, failure))
+    return None
 
-    def commit() -> str | None:
-        try:
-            with open(temp / STATE_FILE, "wb") as f:
-                torch.save({**rest, "param_groups": param_groups}, f)
-                fsync_file(f)
-            fsync_dir(temp)
-            with open(temp / COMMIT_MARKER, "w") as f:  # last: from here on the directory is complete
-                f.write(f"step {step}, {ctx.world_size} shards\n")
-                fsync_file(f)
-            fsync_dir(temp)
-            if final.exists():  # the same step saved again (a rerun): the old copy goes first
-                shutil.rmtree(final)
-            files.commit(temp, final)
-        except OSError as err:
-            return f"{type(err).__name__}: {err}"
-        return None
 
-    _raise_if(collectives.broadcast_from_main(ctx, commit() if ctx.is_main else None))
+def _commit(temp: Path, final: Path, step: int, shards: int, state: dict[str, Any]) -> str | None:
+    """Rank 0, once every shard is on disk: the state file, the marker last, the rename. None, or what failed."""
+    from trainer.core import files
+    from trainer.core.files import fsync_dir, fsync_file
+
+    try:
+        with open(temp / STATE_FILE, "wb") as f:
+            torch.save(state, f)
+            fsync_file(f)
+        fsync_dir(temp)
+        with open(temp / COMMIT_MARKER, "w") as f:  # last: from here on the directory is complete
+            f.write(f"step {step}, {shards} shards\n")
+            fsync_file(f)
+        fsync_dir(temp)
+        if final.exists():  # the same step saved again (a rerun): the old copy goes first
+            shutil.rmtree(final)
+        files.commit(temp, final)
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def _raise_if(failure: str | None) -> None:

@@ -20,7 +20,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import torch
 
@@ -128,23 +128,49 @@ def _remove(path: Path) -> None:
 def save_sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx: DistContext, keep: int,
                  names: tuple[str, str | None]) -> Path:
     """Every rank writes its shard (trainer.checkpoint.sharded); rank 0 commits, rotates and cleans up."""
+    return _sharded(directory, step, model, optimizer, rest, ctx, keep, names, None)()
+
+
+def save_sharded_in_background(directory: Path, step: int, model, optimizer, rest: dict[str, Any],
+                               ctx: DistContext, keep: int, names: tuple[str, str | None], group) -> Callable[[], Path]:
+    """save_sharded with DCP's async_save on `group`: each rank's shard is copied to CPU memory now; the
+    returned function waits for the writes, then rank 0 commits, rotates and cleans up (CheckpointError on
+    rank 0 if any of it failed)."""
+    return _sharded(directory, step, model, optimizer, rest, ctx, keep, names, group)
+
+
+def _sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx: DistContext, keep: int,
+             names: tuple[str, str | None], group) -> Callable[[], Path]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from trainer.checkpoint import sharded
 
     final = directory / f"step-{step:08d}"
-    try:
-        sharded.save(directory, step, model, optimizer, rest, ctx, final, names)
-    except (OSError, RuntimeError, CheckpointException) as err:
+    errors = (OSError, RuntimeError, CheckpointException)
+
+    def failed(err: BaseException) -> CheckpointError:
         full = _out_of_space(err, directory) or "No space left" in str(err)  # before the partial shards go
         if ctx.is_main:
             _remove(directory / f"{TEMP_PREFIX}{final.name}")
-        raise _save_failed(err, final, directory, full, " on every host") from None
-    if ctx.is_main:
-        for old in list_checkpoints(directory)[keep:]:
-            _remove(old)
-        _remove_stale_temps(directory)
-    return final
+        return _save_failed(err, final, directory, full, " on every host")
+
+    try:
+        finish = sharded.save(directory, step, model, optimizer, rest, ctx, final, names, group)
+    except errors as err:
+        raise failed(err) from None
+
+    def committed() -> Path:
+        if finish is not None:
+            try:
+                finish()
+            except errors as err:
+                raise failed(err) from None
+        if ctx.is_main:
+            for old in list_checkpoints(directory)[keep:]:
+                _remove(old)
+            _remove_stale_temps(directory)
+        return final
+    return committed
 
 
 def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:

@@ -237,6 +237,43 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
     return ("-m", name)
 
 
+def holds_address(host: str) -> bool:
+    """Whether `host` (MASTER_ADDR) is an address of this machine other than loopback: then this host runs the
+    elastic rendezvous store. torchrun guesses it from this machine's hostname, which Debian and Ubuntu map to
+    127.0.1.1 (/etc/hosts), so on such a host a MASTER_ADDR given as its IP was not recognised and no host ran the
+    store ("The connection to the C10d store has failed"). Loopback is left to torchrun's guess, which lets
+    several launchers on one machine share it (one runs the store, the others connect)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for address in addresses:
+        if address.startswith("127.") or address == "::1":
+            continue
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))  # only an address of one of this machine's interfaces binds
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def address_toward(host: str, port: int) -> str | None:
+    """This machine's address on the route to MASTER_ADDR (no packet is sent). An elastic round's first host
+    tells the others where its workers' process group meets; torchrun's default is this machine's FQDN, which
+    other hosts may not resolve, or which resolves to loopback in a container or a network namespace
+    ("localhost"), where every other host's workers then wait for a store that is not there."""
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            return probe.getsockname()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[str] = BUILTIN,
                      max_restarts: int = 0, rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT) -> list[str]:
     """Static rendezvous at MASTER_ADDR:MASTER_PORT: the node rank decides the ranks, so rank 0 is on node 0.
@@ -252,7 +289,10 @@ def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[s
             f"--max-restarts={max_restarts}",
             # last_call: how long a round waits for more hosts once MIN are in; short, so a lost host costs
             # seconds. A host that comes later joins the next round (the running hosts stop for it).
-            f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S}",
+            f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S}"
+            + (",is_host=1" if holds_address(topology.master_addr) else ""),
+            *([f"--local-addr={local}"] if (local := address_toward(topology.master_addr, topology.master_port))
+              else []),
             *target, *args,
         ]
     return [

@@ -24,9 +24,13 @@ PREFIX = "trainer-hosts"
 class Presence(threading.Thread):
     """Started by the supervisor before torchrun's agent on a multi-host job; `verdict()` after a failure."""
 
-    def __init__(self, store_at: tuple[str, int], label: str):
+    def __init__(self, store_at: tuple[str, int], label: str, on_lost=None, lost_after_s: float = 0.0):
+        """on_lost: called (once, from this thread) when the store has not answered for lost_after_s after it had
+        answered: an elastic agent polls that store between its workers' checks and blocks in the call when the
+        network to it is cut, so nothing else would end this host."""
         super().__init__(name="host-presence", daemon=True)
         self.store_at, self.label = store_at, label
+        self.on_lost, self.lost_after_s = on_lost, lost_after_s
         self.slot: int | None = None
         self.answered = 0.0  # monotonic time of the store's last answer to a beat
         self._beating = None  # this thread's client; the caller's is its own (a blocked beat blocks no verdict)
@@ -55,6 +59,18 @@ class Presence(threading.Thread):
             except Exception:  # noqa: BLE001 (not up yet, or gone: verdict() says which when it matters)
                 self._beating = None
             self._done.wait(BEAT_S)
+
+    def _watch(self) -> None:
+        """on_lost's own thread: a store cut off by the network leaves a beat blocked in its call, not failing."""
+        while not self._done.wait(BEAT_S):
+            if self.slot is not None and time.monotonic() - self.answered > self.lost_after_s:
+                self.on_lost()
+                return
+
+    def start(self) -> None:
+        super().start()
+        if self.on_lost is not None:
+            threading.Thread(target=self._watch, name="host-presence-watch", daemon=True).start()
 
     def _store_silent(self) -> bool:
         """The store stopped answering this host's beats a while ago (not merely between two of them)."""

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -126,6 +127,11 @@ class _FailureLines(logging.Filter):
                 what = f"rank {self.base_rank + local_rank} {how}"
             except (TypeError, ValueError, IndexError):  # another torch's record: say less, never fail
                 code, what = None, "a worker failed"
+            if code == workers.HOST_LEFT_EXIT_CODE and ":" in self.nodes:
+                print(f"restart {self.failures} of {self.max_restarts}: another host left the job (it was stopped, "
+                      f"and every rank committed a checkpoint); the hosts still here meet again (NNODES={self.nodes}) "
+                      "and go on from that checkpoint, at the new world size", file=sys.stderr, flush=True)
+                return False
             if code == USAGE_EXIT_CODE:
                 # A mistake in the settings (the one-line error above) fails the same way every time: a restart
                 # would only print it again, MAX_RESTARTS times. torchrun's agent stops its workers and closes the
@@ -198,10 +204,14 @@ def hang_timeout(env: Mapping[str, str]) -> int:
         return DEFAULT_HANG_TIMEOUT
 
 
-def store_at(args: list[str]) -> tuple[str, int] | None:
-    """torchrun's rendezvous store, on a job of several hosts (None on one host)."""
+def store_at(args: list[str], elastic_too: bool = False) -> tuple[str, int] | None:
+    """torchrun's rendezvous store, on a job of several hosts (None on one host). elastic_too: also an elastic
+    job's c10d store (--rdzv-endpoint), whose keys change with every round."""
     several_hosts = _arg(args, "nnodes", "1") not in ("1", "1:1")
     port = _arg(args, "master-port")
+    if elastic_too and ":" in _arg(args, "nnodes", "1"):
+        host, _, port = _arg(args, "rdzv-endpoint").rpartition(":")
+        return (host, int(port)) if several_hosts and port.isdigit() else None
     return (_arg(args, "master-addr"), int(port)) if several_hosts and port.isdigit() else None
 
 
@@ -214,13 +224,41 @@ def start_watchdog(folder: Path, args: list[str]) -> Watchdog | None:
     return dog
 
 
-def start_presence(args: list[str]) -> presence.Presence | None:
-    where = store_at(args)
+# An elastic host that has not reached the rendezvous store for this long ends itself (see store_lost).
+STORE_LOST_S = 30.0
+
+
+def start_presence(args: list[str], folder: Path | None = None) -> presence.Presence | None:
+    where = store_at(args, elastic_too=True)
     if where is None:
         return None
-    beat = presence.Presence(where, presence.label(_arg(args, "node-rank", "")))
+    elastic = ":" in _arg(args, "nnodes", "1")
+    on_lost = (lambda: store_lost(where, folder)) if elastic and folder is not None else None
+    beat = presence.Presence(where, presence.label(_arg(args, "node-rank", "")), on_lost, STORE_LOST_S)
     beat.start()
     return beat
+
+
+def store_lost(where: tuple[str, int], folder: Path) -> None:
+    """An elastic host cut off from the rendezvous store: torchrun's agent is blocked in a call to it (it polls
+    the store for hosts waiting to join), so it would never notice its failed workers, and the host would hang
+    without a word. Say so, stop this host's workers, and end with exit 1 (from the presence thread)."""
+    host, port = where
+    print_error(f"training failed: the rendezvous host {host} went away (its c10d store at {host}:{port} has not "
+                f"answered for {STORE_LOST_S:g} s: its machine or the network to it is gone); this host stops "
+                "(start it again once the rendezvous host answers: the job resumes from the newest checkpoint)")
+    found = workers.read_workers(folder)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for worker in found:
+            with contextlib.suppress(OSError):
+                own = worker.pgid and worker.pgid != os.getpgid(0)  # its own group: DataLoader workers too
+                os.killpg(worker.pgid, sig) if own else os.kill(worker.pid, sig)
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(w.alive for w in found):
+                time.sleep(0.1)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def end_presence(beat: presence.Presence | None, why: str, args: list[str], failed: bool) -> str | None:
@@ -306,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     with agent_folder() as folder:
         os.environ[workers.AGENT_DIR_ENV] = folder
         dog = start_watchdog(Path(folder), args)
-        beat = start_presence(args)
+        beat = start_presence(args, Path(folder))
         try:
             run(config)
         except ChildFailedError as err:
@@ -335,11 +373,12 @@ def main(argv: list[str] | None = None) -> int:
             return code
         except (RendezvousError, DistError, TimeoutError) as err:
             started = bool(workers.read_workers(Path(folder)))  # else the rendezvous never completed
-            gone = end_presence(beat, "failed", args, failed=started)
+            elastic = ":" in _arg(args, "nnodes", "1")
+            gone = end_presence(beat, "failed", args, failed=started and not elastic)
             if gone:
                 print_error(f"training failed: {gone}")
                 return 1
-            if started and ":" in _arg(args, "nnodes", "1"):  # elastic, and it had run: its store's host is gone
+            if started and elastic:  # it had run: the c10d store's host is gone
                 host = endpoint.rpartition(":")[0]
                 print_error(f"training failed: the rendezvous host {host} went away (its c10d store at {endpoint} "
                             "stopped answering): an elastic job goes on without any host but that one (start it "

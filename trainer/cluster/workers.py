@@ -29,6 +29,10 @@ AGENT_DIR_ENV = "TRAINER_AGENT_DIR"
 # (Lightning's Slurm requeue takes SIGUSR1, some profilers SIGUSR2, SIGPROF).
 STACKS_SIGNAL = signal.SIGRTMIN + 4
 PROGRESS_EVERY = 1.0  # seconds: the watchdog's bound is in minutes, so a touch a second is plenty
+# An elastic job's worker whose stop came from another host (that host is leaving: docker compose stop, a
+# drained node) exits with this code, so that its agent restarts it and the hosts left meet again at the new
+# world size; BSD's EX_TEMPFAIL, "try again".
+HOST_LEFT_EXIT_CODE = 75
 
 
 def agent_dir() -> Path | None:

@@ -105,8 +105,9 @@ class TrainConfig:
     checkpoint_every: int = option(500, "checkpoint every N optimizer steps (0: only at epoch ends)")
     keep_checkpoints: int = option(3, "newest checkpoints kept (at least 2)")
     checkpoint_async: bool = option(False, "write the cadence's checkpoints in the background: rank 0 copies the "
-                                    "state to CPU memory and a thread writes it while training goes on (one write at "
-                                    "a time; a stop and the end wait for it; fsdp writes in the step)")
+                                    "state to CPU memory and a thread writes it while training goes on (fsdp: every "
+                                    "rank copies its shard, DCP's async_save writes them); one write at a time, a "
+                                    "stop and the end wait for it")
     resume: str = option("auto", "auto (newest valid checkpoint), never, or a checkpoint path")
     # Distributed.
     seed: int = option(0, "random seed (the same on every rank)")

@@ -528,8 +528,16 @@ class Run:
                                              self.observers.throughput.samples_per_step, self.resumed_from,
                                              *self._workload_names())
             code = 0 if self.observers.write_summary(summary) else 1
-        if self.stopped and self._stop is not None and not self._stop.requested and self.is_local_main \
-                and stop_host_agent(os.environ):
+        elsewhere = self.stopped and self._stop is not None and not self._stop.requested
+        if elsewhere and os.environ.get(ELASTIC_WORLD_ENV) and os.environ.get(workers.AGENT_DIR_ENV):
+            # Elastic: the host that was stopped leaves; this one goes on. Its agent restarts the workers, the
+            # hosts left meet again and resume from the stop's checkpoint at the new world size.
+            if self.is_local_main:
+                log.warning("the stop was requested on another host, which leaves this elastic job: this host's "
+                            "workers start again with the hosts left, from the checkpoint of step %d",
+                            self.position.step)
+            code = workers.HOST_LEFT_EXIT_CODE
+        elif elsewhere and self.is_local_main and stop_host_agent(os.environ):
             log.warning("the stop was requested on another host: stopping this host's launcher too")
         if self.stopped and self.checkpointer.last_committed == self.position.step:
             workers.note(committed=f"step {self.position.step}")  # the launcher's last line says so
