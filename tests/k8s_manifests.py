@@ -356,4 +356,4 @@ def _indexed_job_pods(docs: list[dict]) -> list[Pod]:
 def master_host(kind: str, docs: list[dict]) -> str:
     """The DNS name the pods meet at (pod 0), as the cluster would resolve it."""
     env = pod_environments(kind, docs)[0].env
-    return env.get("PET_MASTER_ADDR") or env["MASTER_ADDR"]
+    return env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR") or env["PET_RDZV_ENDPOINT"].rpartition(":")[0]

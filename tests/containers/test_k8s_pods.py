@@ -225,3 +225,30 @@ def test_indexed_job_pods_train_together_and_a_killed_pod_resumes_from_the_last_
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= committed, summary
     print(f"\nindexed-job: container start -> first training step {first_start:.1f} s; after the restart "
           f"{first_step_after_start(pods.containers[0]):.1f} s (resumed at step {summary['resumed_from_step']})")
+
+
+def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(simulate):
+    """k8s/pytorchjob-elastic.yaml's pods (PET_NNODES=1:2, c10d at worker-0): worker-1 is SIGKILLed after the first
+    checkpoint, as a lost node kills it, and not replaced; worker-0 does not fail with it: its agent restarts its
+    workers, the rendezvous closes with one pod, and it trains to the end at world size 2 from the newest
+    checkpoint, with the same global batch."""
+    pods = simulate("pytorchjob-elastic", {**TRAINING, "TRAIN_EPOCHS": "3"})
+    pods.start_all()
+    deadline = time.monotonic() + 420
+    while not sorted(pods.checkpoints.glob("step-*.pt")):
+        assert time.monotonic() < deadline and pods.state(1)["Status"] == "running", pods.all_logs()
+        time.sleep(0.2)
+    committed = max(int(p.name[5:-3]) for p in pods.checkpoints.glob("step-*.pt"))
+    pods.containers[1].kill()
+    while pods.state(0)["Status"] != "exited":
+        assert time.monotonic() < deadline, f"worker-0 did not finish\n{pods.all_logs()}"
+        time.sleep(0.5)
+    assert pods.state(0)["ExitCode"] == 0, pods.all_logs()
+    log = pods.logs(0)
+    assert re.search(r"^restart 1 of 10: rank \d+ .*; the hosts still here meet again \(NNODES=1:2\)", log, re.M), log
+    sizes = [int(m) for m in re.findall(r"INFO training .* world size (\d+) ", log)]
+    assert sizes[0] == 4 and sizes[-1] == 2, (sizes, log[-3000:])
+    summary = json.loads((pods.runs / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["global_step"] == 3 * STEPS_PER_EPOCH
+    assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= committed, summary
