@@ -237,12 +237,12 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
     return ("-m", name)
 
 
-def holds_address(host: str) -> bool:
-    """Whether `host` (MASTER_ADDR) is an address of this machine other than loopback: then this host runs the
-    elastic rendezvous store. torchrun guesses it from this machine's hostname, which Debian and Ubuntu map to
-    127.0.1.1 (/etc/hosts), so on such a host a MASTER_ADDR given as its IP was not recognised and no host ran the
-    store ("The connection to the C10d store has failed"). Loopback is left to torchrun's guess, which lets
-    several launchers on one machine share it (one runs the store, the others connect)."""
+def holds_address(host: str, port: int) -> bool:
+    """Whether `host` (MASTER_ADDR) is an address of this machine other than loopback, and its port is free: then
+    this host runs the elastic rendezvous store. torchrun guesses it from this machine's hostname, which Debian and
+    Ubuntu map to 127.0.1.1 (/etc/hosts), so on such a host a MASTER_ADDR given as its IP was not recognised and no
+    host ran the store ("The connection to the C10d store has failed"). Loopback is left to torchrun's guess, and
+    a port already taken (another launcher of the job on this machine runs the store) to a client's role."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except OSError:
@@ -252,8 +252,9 @@ def holds_address(host: str) -> bool:
             continue
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed store's TIME_WAIT is free
             try:
-                probe.bind((address, 0))  # only an address of one of this machine's interfaces binds
+                probe.bind((address, port))  # only an address of one of this machine's interfaces binds
                 return True
             except OSError:
                 continue
@@ -290,7 +291,7 @@ def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[s
             # last_call: how long a round waits for more hosts once MIN are in; short, so a lost host costs
             # seconds. A host that comes later joins the next round (the running hosts stop for it).
             f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S}"
-            + (",is_host=1" if holds_address(topology.master_addr) else ""),
+            + (",is_host=1" if holds_address(topology.master_addr, topology.master_port) else ""),
             *([f"--local-addr={local}"] if (local := address_toward(topology.master_addr, topology.master_port))
               else []),
             *target, *args,
