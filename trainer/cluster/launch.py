@@ -67,6 +67,7 @@ DEFAULT_RDZV_TIMEOUT = 900
 DEFAULT_ELASTIC_RESTARTS = 10  # each lost or returning host is one restart of every host's workers
 ELASTIC_RDZV_ID = "trainer"
 ELASTIC_LAST_CALL_S = 5
+ELASTIC_KEEP_ALIVE_S, ELASTIC_KEEP_ALIVE_MISSED = 2, 3  # a host silent for 6 s has left the round
 SCRIPT_ENV = "TRAIN_SCRIPT"
 assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs accepts it
 BUILTIN = ("-m", "trainer")
@@ -290,7 +291,10 @@ def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[s
             f"--max-restarts={max_restarts}",
             # last_call: how long a round waits for more hosts once MIN are in; short, so a lost host costs
             # seconds. A host that comes later joins the next round (the running hosts stop for it).
-            f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S}"
+            # keep_alive: a lost host's place in the finished round is freed only once its heartbeats are this
+            # many intervals late; until then the hosts left wait (torch's 5 s x 3 was most of a regroup).
+            f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S},"
+            f"keep_alive_interval={ELASTIC_KEEP_ALIVE_S},keep_alive_max_attempt={ELASTIC_KEEP_ALIVE_MISSED}"
             + (",is_host=1" if holds_address(topology.master_addr, topology.master_port) else ""),
             *([f"--local-addr={local}"] if (local := address_toward(topology.master_addr, topology.master_port))
               else []),
