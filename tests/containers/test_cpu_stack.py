@@ -196,3 +196,36 @@ def test_help_in_the_cpu_profile_shows_the_profiles_values(make_project):
     for shown in ("[env TRAIN_MODEL=cnn here; default resnet18]", "[env TRAIN_EPOCHS=2 here; default 5]",
                   "[env TRAIN_LR=0.05 here; default 0.1]"):
         assert shown in text, out.stdout
+
+
+def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped_with_compose(make_project):
+    """compose.multinode.yaml's elastic setting: the same settings on both hosts (NNODES=1:2, no NODE_RANK), one
+    checkpoint directory and runs directory both mount (as hosts share NFS). `docker compose stop` on the second
+    host once both train: every rank stops at an agreed step with a checkpoint, that host's trainer exits 0, and
+    the first goes on alone (world size 2: one host of 2 processes) from that checkpoint to the end."""
+    samples = 32768  # 512 steps of the global batch (16 x 4): time for the second host to join, then leave
+    nodes = [make_project(f"elastic{i}", files=[MULTINODE_FILE]) for i in (0, 1)]
+    shared = {"CHECKPOINT_DIR": str(nodes[0].checkpoints), "RUNS_DIR": str(nodes[0].runs)}
+    for node in nodes:
+        node.env.update(shared, NNODES="1:2", NODE_RANK="", MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="2",
+                        MASTER_PORT=nodes[0].env["MASTER_PORT"], TRAIN_SYNTHETIC_SIZE=str(samples), TRAIN_EPOCHS="1",
+                        TRAIN_BATCH_SIZE="16", TRAIN_CHECKPOINT_EVERY="8", TRAIN_LOG_EVERY="8")
+    for node in nodes:
+        node.up_attached()
+        time.sleep(5)  # the first runs the c10d store
+
+    def logs() -> str:  # global rank 0, which logs, may be on either host: the rendezvous assigns node ranks
+        return nodes[0].logs("trainer-cpu") + nodes[1].logs("trainer-cpu")
+    deadline = time.monotonic() + 300
+    while not re.search(r"INFO training .* world size 4 [\s\S]*checkpoint committed: ", logs()):
+        assert time.monotonic() < deadline, logs()[-6000:]
+        time.sleep(0.5)
+    nodes[1].run("stop", "trainer-cpu", timeout=120)
+    assert nodes[1].wait_exit("trainer-cpu", timeout=120)["ExitCode"] == 0, nodes[1].logs("trainer-cpu")[-3000:]
+    assert nodes[0].wait_exit("trainer-cpu", timeout=600)["ExitCode"] == 0, nodes[0].logs("trainer-cpu")[-4000:]
+    log = nodes[0].logs("trainer-cpu")
+    assert "restart 1 of 10: another host left the job" in log, log[-4000:]
+    assert re.findall(r"INFO training .* world size (\d+) ", log)[-1] == "2", log[-3000:]
+    summary = nodes[0].summary()
+    assert summary["status"] == "completed" and summary["world_size"] == 2, summary
+    assert summary["global_step"] == samples // (16 * 4), summary  # the global batch of world size 4 throughout

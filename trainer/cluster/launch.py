@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shlex
 import socket
 import sys
@@ -238,28 +239,34 @@ def checked_module(name: str, setting: str) -> tuple[str, ...]:
     return ("-m", name)
 
 
-def holds_address(host: str, port: int) -> bool:
-    """Whether `host` (MASTER_ADDR) is an address of this machine other than loopback, and its port is free: then
-    this host runs the elastic rendezvous store. torchrun guesses it from this machine's hostname, which Debian and
-    Ubuntu map to 127.0.1.1 (/etc/hosts), so on such a host a MASTER_ADDR given as its IP was not recognised and no
-    host ran the store ("The connection to the C10d store has failed"). Loopback is left to torchrun's guess, and
-    a port already taken (another launcher of the job on this machine runs the store) to a client's role."""
+def store_role(host: str, port: int) -> str | None:
+    """Whether this host runs the elastic rendezvous store at MASTER_ADDR:MASTER_PORT: "1", "0", or None to leave
+    it to torchrun's guess. torchrun guesses from this machine's hostname, which Debian and Ubuntu map to 127.0.1.1
+    (/etc/hosts), so a MASTER_ADDR given as the host's IP was not recognised and no host ran the store ("The
+    connection to the C10d store has failed"); and where the hostname does not resolve at all (a container that
+    shares another's network) the guess raised. The facts instead: an address of this machine binds, and its
+    port is free unless another launcher of the job on this machine already runs the store."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except OSError:
-        return False
+        return None  # unresolvable here: the launcher's MASTER_ADDR check says so
+    loopback = all(a.startswith("127.") or a == "::1" for a in addresses)
+    if loopback:
+        try:  # several launchers on one machine: torchrun's guess lets each try, and the others connect
+            socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)
+            return None
+        except OSError:
+            pass  # its guess would raise: decide here (launchers started within the same second may both try)
     for address in addresses:
-        if address.startswith("127.") or address == "::1":
-            continue
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed store's TIME_WAIT is free
             try:
                 probe.bind((address, port))  # only an address of one of this machine's interfaces binds
-                return True
+                return "1"
             except OSError:
                 continue
-    return False
+    return "0"
 
 
 def address_toward(host: str, port: int) -> str | None:
@@ -271,9 +278,15 @@ def address_toward(host: str, port: int) -> str | None:
         family, _, _, _, where = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(where)
-            return probe.getsockname()[0]
+            address = probe.getsockname()[0]
     except (OSError, IndexError):
         return None
+    if address.startswith("127."):
+        # Hosts on one machine (containers, a test): torchrun names each host by this address and its PID, and
+        # two containers' launchers both run as PID 7, so under one address they were taken for one host and
+        # each trained alone. Any 127/8 address is this machine's loopback: each launcher takes its own.
+        return f"127.{secrets.randbelow(254) + 1}.{secrets.randbelow(254) + 1}.{secrets.randbelow(254) + 1}"
+    return address
 
 
 def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[str] = BUILTIN,
@@ -295,7 +308,7 @@ def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[s
             # many intervals late; until then the hosts left wait (torch's 5 s x 3 was most of a regroup).
             f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S},"
             f"keep_alive_interval={ELASTIC_KEEP_ALIVE_S},keep_alive_max_attempt={ELASTIC_KEEP_ALIVE_MISSED}"
-            + (",is_host=1" if holds_address(topology.master_addr, topology.master_port) else ""),
+            + ("" if (role := store_role(topology.master_addr, topology.master_port)) is None else f",is_host={role}"),
             *([f"--local-addr={local}"] if (local := address_toward(topology.master_addr, topology.master_port))
               else []),
             *target, *args,
