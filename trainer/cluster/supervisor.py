@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -247,16 +246,7 @@ def store_lost(where: tuple[str, int], folder: Path) -> None:
     print_error(f"training failed: the rendezvous host {host} went away (its c10d store at {host}:{port} has not "
                 f"answered for {STORE_LOST_S:g} s: its machine or the network to it is gone); this host stops "
                 "(start it again once the rendezvous host answers: the job resumes from the newest checkpoint)")
-    found = workers.read_workers(folder)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for worker in found:
-            with contextlib.suppress(OSError):
-                own = worker.pgid and worker.pgid != os.getpgid(0)  # its own group: DataLoader workers too
-                os.killpg(worker.pgid, sig) if own else os.kill(worker.pid, sig)
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(w.alive for w in found):
-                time.sleep(0.1)
+    workers.kill(workers.read_workers(folder))  # they cannot agree on a stop with hosts they cannot reach
     sys.stderr.flush()
     os._exit(1)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import sys
 import threading
@@ -136,11 +135,7 @@ class Watchdog(threading.Thread):
         self.fired = (f"hang: no progress for {self.timeout:g} s (HANG_TIMEOUT): {named}; the stacks are above "
                       "(raise HANG_TIMEOUT for longer silent phases, or 0 turns the watchdog off)")
         self.stop()
-        for w in running:
-            try:
-                os.killpg(w.pgid or w.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        workers.kill(running)
 
 
 def probe(folder: Path, running: list[workers.Worker], show: bool) -> tuple[list[str], list[int]]:

@@ -143,6 +143,16 @@ def read_workers(folder: Path) -> list[Worker]:
     return sorted(workers, key=lambda w: w.rank)
 
 
+def kill(found: list[Worker]) -> None:
+    """SIGKILL these workers with their process groups (a worker under torchrun leads its own: its DataLoader
+    workers go with it)."""
+    for w in found:
+        try:
+            os.killpg(w.pgid or w.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def last_progress(folder: Path, rank: int) -> float | None:
     try:
         return (folder / f"rank-{rank}.progress").stat().st_mtime
