@@ -168,3 +168,28 @@ def test_a_checkpoint_directory_that_is_not_shared_stops_every_host_with_one_lin
         assert errors[-1].endswith("(a mistake in the settings is not restarted)"), output
         assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
     assert not list(tmp_path.glob("host*/checkpoints/.shared-check-*"))  # rank 0 removed its marker
+
+
+@pytest.mark.slow
+def test_below_the_fewest_hosts_the_job_ends_with_one_line_once_none_joins_in_time(tmp_path, launches):
+    """NNODES=2:2 (MIN 2): one host is lost, so the other is below the floor. Its agent restarts and waits for a
+    host to join; none does within RDZV_TIMEOUT: it stops with one line saying so (not that the rendezvous host
+    went away: it is that very host), exit 1."""
+    port = free_port()
+    env = {**elastic_env(port), "NNODES": "2:2", "RDZV_TIMEOUT": "10"}
+    hosts = []
+    for name in ("hostA", "hostB"):
+        hosts.append(Launch([str(USER_CODE / "elastic_loop.py"), "--out", str(tmp_path), "--samples", str(SAMPLES),
+                             "--step-seconds", "0.15"], tmp_path, env, name=name))
+        launches.append(hosts[-1])
+        time.sleep(2)
+    wait_until(lambda: any((tmp_path / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
+               f"a first checkpoint\n{hosts[0].output()[-3000:]}\n{hosts[1].output()[-3000:]}")
+    os.kill(hosts[1].pid, signal.SIGKILL)
+    assert hosts[0].wait(120) == 1, hosts[0].output()[-3000:]
+    output = hosts[0].output()
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert errors[-1] == ("error: training failed: fewer than the 2 hosts an elastic job needs (NNODES=2:2) were left, "
+                          "and no other host joined within RDZV_TIMEOUT (10 s) (start the lost hosts again, or lower "
+                          "MIN: the job resumes from the newest checkpoint)"), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]

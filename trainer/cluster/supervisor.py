@@ -46,6 +46,12 @@ def _arg(args: list[str], name: str, default: str = "?") -> str:
     return next((a[len(prefix):] for a in args if a.startswith(prefix)), default)
 
 
+def _rdzv_conf(args: list[str], key: str) -> str:
+    """One key of --rdzv-conf=k=v,k=v ("?" when absent)."""
+    pairs = dict(item.partition("=")[::2] for item in _arg(args, "rdzv-conf", "").split(",") if "=" in item)
+    return pairs.get(key, "?")
+
+
 def _root_cause_first(item: tuple) -> tuple:
     """The root cause failed first. Once one rank fails, torchrun SIGTERMs the rest, and a rank that is
     already exiting over its lost peer dies of it; so within the same second (the timestamps' unit)
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FailureLines(args))
@@ -367,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
             gone = end_presence(beat, "failed", args, failed=started and not elastic)
             if gone:
                 print_error(f"training failed: {gone}")
+                return 1
+            if started and elastic and isinstance(err, RendezvousTimeoutError):  # fewer than MIN hosts are left
+                print_error(f"training failed: fewer than the {_arg(args, 'nnodes').split(':')[0]} hosts an elastic "
+                            f"job needs (NNODES={_arg(args, 'nnodes')}) were left, and no other host joined within "
+                            f"RDZV_TIMEOUT ({_rdzv_conf(args, 'join_timeout')} s) (start the lost hosts again, or lower "
+                            "MIN: the job resumes from the newest checkpoint)")
                 return 1
             if started and elastic:  # it had run: the c10d store's host is gone
                 host = endpoint.rpartition(":")[0]
