@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.steps <= args.skip + args.every:
         parser.error(f"--steps {args.steps}: the timed window needs more than --skip + --every steps")
     runs = []
