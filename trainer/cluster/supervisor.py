@@ -209,15 +209,22 @@ def hang_timeout(env: Mapping[str, str]) -> int:
         return DEFAULT_HANG_TIMEOUT
 
 
+def _elastic(args: list[str]) -> bool:
+    """NNODES=MIN:MAX: torchrun's c10d rendezvous at --rdzv-endpoint."""
+    return ":" in _arg(args, "nnodes", "1")
+
+
 def store_at(args: list[str], elastic_too: bool = False) -> tuple[str, int] | None:
     """torchrun's rendezvous store, on a job of several hosts (None on one host). elastic_too: also an elastic
     job's c10d store (--rdzv-endpoint), whose keys change with every round."""
     several_hosts = _arg(args, "nnodes", "1") not in ("1", "1:1")
-    port = _arg(args, "master-port")
-    if elastic_too and ":" in _arg(args, "nnodes", "1"):
+    if _elastic(args):
+        if not elastic_too:
+            return None
         host, _, port = _arg(args, "rdzv-endpoint").rpartition(":")
-        return (host, int(port)) if several_hosts and port.isdigit() else None
-    return (_arg(args, "master-addr"), int(port)) if several_hosts and port.isdigit() else None
+    else:
+        host, port = _arg(args, "master-addr"), _arg(args, "master-port")
+    return (host, int(port)) if several_hosts and port.isdigit() else None
 
 
 def start_watchdog(folder: Path, args: list[str]) -> Watchdog | None:
@@ -237,7 +244,7 @@ def start_presence(args: list[str], folder: Path | None = None) -> presence.Pres
     where = store_at(args, elastic_too=True)
     if where is None:
         return None
-    elastic = ":" in _arg(args, "nnodes", "1")
+    elastic = _elastic(args)
     on_lost = (lambda: store_lost(where, folder)) if elastic and folder is not None else None
     beat = presence.Presence(where, presence.label(_arg(args, "node-rank", "")), on_lost, STORE_LOST_S)
     beat.start()
@@ -369,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             return code
         except (RendezvousError, DistError, TimeoutError) as err:
             started = bool(workers.read_workers(Path(folder)))  # else the rendezvous never completed
-            elastic = ":" in _arg(args, "nnodes", "1")
+            elastic = _elastic(args)
             gone = end_presence(beat, "failed", args, failed=started and not elastic)
             if gone:
                 print_error(f"training failed: {gone}")
