@@ -90,6 +90,7 @@ class Checkpointer:
                         "checkpoints are written in the step")
         self._writer: threading.Thread | None = None
         self._write_failed: CheckpointError | None = None
+        self._copy: Any = None  # rank 0's CPU copy of the last background checkpoint, reused by the next
         self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
         self._claimed: list = []
         self.saved_position: dict[str, int] | None = None  # what the checkpoint resumed from said
@@ -219,7 +220,10 @@ class Checkpointer:
                 self._writer = threading.Thread(target=self._write, args=(pos.step, finish), name="checkpoint-writer")
                 self._writer.start()
             elif self.ctx.is_main:  # a copy the next steps cannot change, then the write in a thread
-                state = cpu_copy(ckpt.snapshot(self.objects, info))
+                # Into the previous copy's tensors where they fit: a fresh copy also faults in and zeroes every
+                # page, in the step. The previous write is done (wait() above), so nothing reads them.
+                state = cpu_copy(ckpt.snapshot(self.objects, info), reuse=self._copy)
+                self._copy = state
                 self._writer = threading.Thread(target=self._write, args=(pos.step, state), name="checkpoint-writer")
                 self._writer.start()
             return
@@ -242,6 +246,7 @@ class Checkpointer:
     def _write(self, step: int, state: dict[str, Any] | Callable[[], Path]) -> None:
         """The writer thread: rank 0's copy of the state, or (fsdp) the function that waits for the shards and
         commits them."""
+        idle_priority()
         try:
             path = state() if callable(state) else save(self.directory, step, state, self.keep)
         except CheckpointError as err:
@@ -272,23 +277,41 @@ class Checkpointer:
             self.wait()
         except CheckpointError as err:
             log.error("%s", err)
+        self._copy = None
         for lock in self._claimed:
             lock.close()
         self._claimed = []
 
 
-def cpu_copy(value: Any) -> Any:
+def cpu_copy(value: Any, reuse: Any = None) -> Any:
     """A state dict with every tensor copied to CPU memory: what the background write saves, whatever the next
-    steps do to the live tensors."""
+    steps do to the live tensors. reuse: an earlier copy of the same state, whose tensors are written over where
+    the place, shape and dtype match (no one may still read it)."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        value = value.detach()
+        if (isinstance(reuse, torch.Tensor) and reuse.shape == value.shape and reuse.dtype == value.dtype
+                and reuse.layout == value.layout == torch.strided and reuse.device.type == "cpu"):
+            return reuse.copy_(value)
+        return value.to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: cpu_copy(v) for k, v in value.items()}
+        earlier = reuse if isinstance(reuse, dict) else {}
+        return {k: cpu_copy(v, earlier.get(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copy(v) for v in value)
+        earlier = reuse if type(reuse) is type(value) and len(reuse) == len(value) else [None] * len(value)
+        return type(value)(cpu_copy(v, e) for v, e in zip(value, earlier))
     return value
+
+
+def idle_priority() -> None:
+    """The calling thread runs only on a core training leaves idle (Linux's SCHED_IDLE): the background write
+    takes no CPU from the step on a host whose cores the ranks fill. Elsewhere, or where refused, it stays as
+    it is: the write still finishes, at the ordinary priority."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 __all__ = ["Checkpointer", "CheckpointError", "Labels", "Position", "ResumePoint"]

@@ -77,10 +77,13 @@ def weights_are_finite(ctx: DistContext, model: nn.Module) -> bool:
     """Whether every rank's weights and buffers are finite; a collective, so every rank calls it."""
     from trainer.dist.collectives import all_reduce_sum
 
-    tensors = local_tensors(model)
+    tensors = [t for t in local_tensors(model) if t.numel()]  # an fsdp shard may be empty
     if not tensors:
         return True
-    bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).sum(dtype=torch.float32).reshape(1)
+    # A tensor's least and greatest elements are finite only if all its elements are (both carry a NaN): one
+    # pass that allocates nothing, where isfinite(t).all() makes several and a mask the size of t.
+    bad = torch.stack([~torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors])
+    bad = bad.sum(dtype=torch.float32).reshape(1)
     return all_reduce_sum(ctx, bad.to(ctx.device)).item() == 0
 
 
