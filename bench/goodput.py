@@ -104,8 +104,10 @@ def one_run(mode: str, args, faults: bool) -> dict:
         time.sleep(0.5)
         if not faults:
             continue
-        stepping = any(STEP.search(line) for host in hosts for _, line in host.lines[-5:])
-        if trained_since is None and stepping:
+        steps = [int(m.group(1)) for host in hosts for _, line in host.lines[-5:] if (m := STEP.search(line))]
+        if steps and max(steps) >= args.steps:  # trained: a loss now would hit the job's exit, not its training
+            continue
+        if trained_since is None and steps:
             trained_since = time.monotonic()
         if second.proc.poll() is None and trained_since and time.monotonic() - trained_since >= args.fault_every:
             second.kill()

@@ -19,6 +19,14 @@ def launches():
             launch.stop_everything()
 
 
+@pytest.fixture
+def hosts():
+    """Two hosts in network namespaces joined by a veth pair (tests/netns.py); needs root."""
+    from netns import two_hosts
+
+    yield from two_hosts()
+
+
 # ------------------------------------------------------------------ a real Slurm (tests/slurmcluster.py)
 
 def _slurm_unavailable(reason: str):

@@ -265,10 +265,10 @@ def write_image_folder(root: Path, classes: Iterable[str] = ("cat", "dog"), per_
                 Image.frombytes("RGB", size, pixels).save(folder / f"{i}.png")
 
 
-def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, args: Sequence[str],
+def run_bench_pair(out: Path, stacks: tuple[str, ...], nproc: int, ratio: str | Sequence[str], args: Sequence[str],
                    env: Mapping[str, str] | None = None, timeout: float = 600) -> dict:
-    """`python -m bench` on two stacks, which must succeed with what every such run shows: the rounds
-    interleaved, every run's figure its own record's, and `ratio` ("a/b") the ratio of the two medians in
+    """`python -m bench` on two stacks (or more), which must succeed with what every such run shows: the rounds
+    interleaved, every run's figure its own record's, and each `ratio` ("a/b") the ratio of the two medians in
     the JSON and the markdown. Returns the JSON result."""
     command = [sys.executable, "-m", "bench", "--stacks", *stacks, "--nproc", str(nproc), "--rounds", "3",
                *args, "--out", str(out)]
@@ -284,17 +284,19 @@ def run_bench_pair(out: Path, stacks: tuple[str, str], nproc: int, ratio: str, a
         own_figure = json.loads(written.read_text())["samples_per_second"]
         assert run["samples_per_second"] == pytest.approx(own_figure), (run, written, own_figure)
         assert run["samples_per_second"] > 0
-    numerator, denominator = ratio.split("/")
     medians = result["stacks"][str(nproc)]
-    value = result["ratios"][str(nproc)][ratio]
-    assert value == pytest.approx(medians[numerator]["median"] / medians[denominator]["median"])
-    assert f"{ratio} = {value:.3f}" in next(out.glob("bench-*.md")).read_text()
-    # Within each round too: the runs' own ratios, their median and (3 rounds) their whole range.
     speed = {(r["round"], r["stack"]): r["samples_per_second"] for r in result["runs"]}
-    per_round = sorted(speed[n, numerator] / speed[n, denominator] for n in (1, 2, 3))
-    paired = result["paired"][str(nproc)][ratio]
-    assert paired["values"] == pytest.approx(per_round)
-    assert (paired["median"], paired["low"], paired["high"]) == pytest.approx((per_round[1], per_round[0], per_round[2]))
+    for name in [ratio] if isinstance(ratio, str) else ratio:
+        numerator, denominator = name.split("/")
+        value = result["ratios"][str(nproc)][name]
+        assert value == pytest.approx(medians[numerator]["median"] / medians[denominator]["median"])
+        assert f"{name} = {value:.3f}" in next(out.glob("bench-*.md")).read_text()
+        # Within each round too: the runs' own ratios, their median and (3 rounds) their whole range.
+        per_round = sorted(speed[n, numerator] / speed[n, denominator] for n in (1, 2, 3))
+        paired = result["paired"][str(nproc)][name]
+        assert paired["values"] == pytest.approx(per_round)
+        assert (paired["median"], paired["low"], paired["high"]) == pytest.approx((per_round[1], per_round[0],
+                                                                                  per_round[2]))
     return result
 
 

@@ -16,12 +16,16 @@ from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED
 
 
 @pytest.mark.slow
-def test_bench_runs_the_trainer_against_a_baseline_of_other_options(tmp_path):
-    result = run_bench_pair(tmp_path, ("trainer", "baseline"), 1, "trainer/baseline",
+def test_bench_runs_the_trainer_against_a_baseline_of_other_options_and_the_same_work_as_a_script(tmp_path):
+    """Two harnesses in one run: the trainer against a baseline of other options, and the script door's speed
+    bar (bench/api_script.py: the same work, settings as TRAIN_* variables, its own loop on trainer.api,
+    against `python -m trainer`; both write summary.json through Run)."""
+    result = run_bench_pair(tmp_path, ("trainer", "baseline", "script"), 2, ("trainer/baseline", "script/trainer"),
                             ["--steps", "8", "--model", "cnn", "--batch-size", "16", "--image-size", "40",
-                             "--trainer-args", "--loader memory",
+                             "--trainer-args", "--grad-accum 2 --channels-last",
                              "--baseline-args", "--loader dataloader --num-workers 0"])
     assert result["settings"]["baseline_args"] == "--loader dataloader --num-workers 0"
+    assert result["settings"]["stacks"] == ["trainer", "baseline", "script"]
 
 
 @pytest.mark.slow
@@ -128,16 +132,6 @@ def test_bench_timing_cost_alternates_blocks_with_step_timing_on_and_off(tmp_pat
     assert len(result["paired"]["values"]) == 4
     assert result["cost_us"]["low"] <= result["cost_us"]["median"] <= result["cost_us"]["high"]
     assert "step timing's cost per step" in next(tmp_path.glob("timing-cost-*.md")).read_text()
-
-
-@pytest.mark.slow
-def test_bench_runs_the_built_in_workload_as_a_script_on_the_api_beside_the_trainer(tmp_path):
-    """The script door's speed bar's harness: bench/api_script.py (the same work, settings as TRAIN_* variables,
-    its own loop on trainer.api) against `python -m trainer`; both write summary.json through Run."""
-    result = run_bench_pair(tmp_path, ("trainer", "script"), 2, "script/trainer",
-                            ["--steps", "8", "--model", "cnn", "--batch-size", "16", "--trainer-args",
-                             "--grad-accum 2 --channels-last"])
-    assert result["settings"]["stacks"] == ["trainer", "script"]
 
 
 def test_bench_engine_cost_alternates_the_engine_and_a_bare_loop(tmp_path):

@@ -2,8 +2,9 @@
 c10d rendezvous; a lost host's peers go on at the smaller world size from the newest checkpoint, a host that
 returns joins at an agreed step, and across both changes every sample of the epoch is trained on exactly once.
 
-Real launchers, real torchrun elastic agents, real gloo ranks: two launcher "hosts" on this machine sharing a
-checkpoint directory (as hosts share a network file system), a trainer.api script that logs what it trains.
+Real launchers, real torchrun elastic agents, real gloo ranks: two hosts in network namespaces joined by a veth
+pair (tests/netns.py), sharing a checkpoint directory (as hosts share a network file system), a trainer.api
+script that logs what it trains.
 """
 
 from __future__ import annotations
@@ -17,21 +18,23 @@ from pathlib import Path
 import pytest
 from fault_helpers import Launch, running, wait_until
 from helpers import REPO, free_port, read_summary
+from netns import MASTER_ADDR, Host
 
 USER_CODE = REPO / "tests" / "user_code"
 RUN_BOUND_S = 300  # a bound on a hang on a loaded 2-core machine, not a speed goal
 SAMPLES, GLOBAL_BATCH = 6400, 32
 
 
-def elastic_env(port: int) -> dict[str, str]:
-    # The same settings on every host: no NODE_RANK, the rendezvous assigns them.
-    return {"PREFLIGHT": "0", "NNODES": "1:2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "TRAIN_BATCH_SIZE": str(GLOBAL_BATCH // 2)}
+def elastic_env(port: int, where: Host) -> dict[str, str]:
+    # The same settings on every host (but the interface's name): no NODE_RANK, the rendezvous assigns them.
+    return {"PREFLIGHT": "0", "NNODES": "1:2", "NPROC_PER_NODE": "1", "MASTER_ADDR": MASTER_ADDR,
+            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": where.veth, "TRAIN_BATCH_SIZE": str(GLOBAL_BATCH // 2)}
 
 
-def host(out: Path, port: int, name: str) -> Launch:
-    return Launch([str(USER_CODE / "elastic_loop.py"), "--out", str(out), "--samples", str(SAMPLES),
-                   "--step-seconds", "0.15"], out, elastic_env(port), name=name)
+def host(out: Path, port: int, name: str, where: Host, samples: int = SAMPLES, **env: str) -> Launch:
+    """The elastic loop on host `where` (host 0 holds MASTER_ADDR: the rendezvous store is its launcher's)."""
+    return Launch([str(USER_CODE / "elastic_loop.py"), "--out", str(out), "--samples", str(samples),
+                   "--step-seconds", "0.15"], out, {**elastic_env(port, where), **env}, name=name, prefix=where.prefix)
 
 
 def committed_lines(out: Path) -> dict[int, list[tuple[int, list[int]]]]:
@@ -52,12 +55,12 @@ def world_sizes_in(output: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_lost_host_shrinks_the_job_a_returning_one_grows_it_a_stopped_one_leaves_and_every_sample_is_trained_once(tmp_path, launches):
+def test_a_lost_host_shrinks_the_job_a_returning_one_grows_it_a_stopped_one_leaves_and_every_sample_is_trained_once(hosts, tmp_path, launches):
     port = free_port()
-    first = host(tmp_path, port, "hostA")  # the first to start hosts the rendezvous store
+    first = host(tmp_path, port, "hostA", hosts[0])  # at MASTER_ADDR: it hosts the rendezvous store
     launches.append(first)
     time.sleep(2)
-    second = host(tmp_path, port, "hostB")
+    second = host(tmp_path, port, "hostB", hosts[1])
     launches.append(second)
     checkpoints = tmp_path / "checkpoints"
     # Global rank 0, whose lines say the world size, is on whichever host the rendezvous made node 0 in a round.
@@ -77,7 +80,7 @@ def test_a_lost_host_shrinks_the_job_a_returning_one_grows_it_a_stopped_one_leav
     assert "restart 1 of 10: " in output, output[-3000:]
     assert "Traceback" not in output and "AssertionError" not in output, output[-4000:]
 
-    back = host(tmp_path, port, "hostB-back")  # the host returns, with the same settings
+    back = host(tmp_path, port, "hostB-back", hosts[1])  # the host returns, with the same settings
     launches.append(back)
 
     def trains_at(world: int, output: str) -> bool:  # its newest world, and a step done in it
@@ -117,15 +120,15 @@ def test_a_lost_host_shrinks_the_job_a_returning_one_grows_it_a_stopped_one_leav
 
 
 @pytest.mark.slow
-def test_losing_the_rendezvous_host_ends_the_others_naming_it_and_a_restart_resumes(tmp_path, launches):
+def test_losing_the_rendezvous_host_ends_the_others_naming_it_and_a_restart_resumes(hosts, tmp_path, launches):
     """The c10d store lives on the MASTER_ADDR host: the job cannot outlive it. The other host stops at once with
     a line naming it (not torchrun's store errors), exit 1; started again, the job resumes from the newest
     checkpoint."""
-    port = free_port()
-    store_host = host(tmp_path, port, "hostA")
+    port, samples = free_port(), SAMPLES // 2  # the restart trains the rest alone: a shorter epoch
+    store_host = host(tmp_path, port, "hostA", hosts[0], samples)
     launches.append(store_host)
     time.sleep(2)
-    other = host(tmp_path, port, "hostB")
+    other = host(tmp_path, port, "hostB", hosts[1], samples)
     launches.append(other)
     checkpoints = tmp_path / "checkpoints"
     wait_until(lambda: any(checkpoints.glob("step-*.pt")), RUN_BOUND_S,
@@ -133,12 +136,12 @@ def test_losing_the_rendezvous_host_ends_the_others_naming_it_and_a_restart_resu
     os.kill(store_host.pid, signal.SIGKILL)
     assert other.wait(60) == 1, other.output()[-3000:]
     last = [line for line in other.output().splitlines() if line.startswith("error: ")][-1]
-    assert last.startswith(f"error: training failed: the rendezvous host 127.0.0.1 went away (its c10d store at "
-                           f"127.0.0.1:{port} stopped answering)"), other.output()[-3000:]
+    assert last.startswith(f"error: training failed: the rendezvous host {MASTER_ADDR} went away (its c10d store at "
+                           f"{MASTER_ADDR}:{port} stopped answering)"), other.output()[-3000:]
     assert "Traceback" not in other.output()
     newest = max(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
 
-    again = host(tmp_path, port, "hostA-again")  # MIN is 1: one host is a job
+    again = host(tmp_path, port, "hostA-again", hosts[0], samples)  # MIN is 1: one host is a job
     launches.append(again)
     assert again.wait(RUN_BOUND_S) == 0, again.output()[-4000:]
     summary = read_summary(tmp_path / "runs")
@@ -146,21 +149,22 @@ def test_losing_the_rendezvous_host_ends_the_others_naming_it_and_a_restart_resu
 
 
 @pytest.mark.slow
-def test_a_checkpoint_directory_that_is_not_shared_stops_every_host_with_one_line_and_no_restarts(tmp_path, launches):
+def test_a_checkpoint_directory_that_is_not_shared_stops_every_host_with_one_line_and_no_restarts(hosts, tmp_path,
+                                                                                                  launches):
     """Bad input: each host's own directory (a local disk of the same path, here two folders). Rank 0 leaves a
     marker; the other host does not see it: every host stops with exit 2 and the one line naming it, before a
     step is trained at world size 2, and a usage error is not restarted (MAX_RESTARTS is 10 under a range)."""
     port = free_port()
-    hosts = []
-    for name in ("hostA", "hostB"):
+    launchers = []
+    for name, where in zip(("hostA", "hostB"), hosts):
         out = tmp_path / name  # its own checkpoint directory: out/checkpoints
         out.mkdir()
-        hosts.append(host(out, port, name))
-        launches.append(hosts[-1])
+        launchers.append(host(out, port, name, where))
+        launches.append(launchers[-1])
         time.sleep(2)
-    for one in hosts:
+    for one in launchers:
         assert one.wait(RUN_BOUND_S) == 2, one.output()[-4000:]
-    for one in hosts:
+    for one in launchers:
         output = one.output()
         errors = [line for line in output.splitlines() if line.startswith("error: ")]
         assert errors[0].startswith("error: checkpoint_dir: ") and "is not one directory that every host of this " \
@@ -171,23 +175,21 @@ def test_a_checkpoint_directory_that_is_not_shared_stops_every_host_with_one_lin
 
 
 @pytest.mark.slow
-def test_below_the_fewest_hosts_the_job_ends_with_one_line_once_none_joins_in_time(tmp_path, launches):
+def test_below_the_fewest_hosts_the_job_ends_with_one_line_once_none_joins_in_time(hosts, tmp_path, launches):
     """NNODES=2:2 (MIN 2): one host is lost, so the other is below the floor. Its agent restarts and waits for a
     host to join; none does within RDZV_TIMEOUT: it stops with one line saying so (not that the rendezvous host
     went away: it is that very host), exit 1."""
     port = free_port()
-    env = {**elastic_env(port), "NNODES": "2:2", "RDZV_TIMEOUT": "10"}
-    hosts = []
-    for name in ("hostA", "hostB"):
-        hosts.append(Launch([str(USER_CODE / "elastic_loop.py"), "--out", str(tmp_path), "--samples", str(SAMPLES),
-                             "--step-seconds", "0.15"], tmp_path, env, name=name))
-        launches.append(hosts[-1])
+    launchers = []
+    for name, where in zip(("hostA", "hostB"), hosts):
+        launchers.append(host(tmp_path, port, name, where, NNODES="2:2", RDZV_TIMEOUT="10"))
+        launches.append(launchers[-1])
         time.sleep(2)
     wait_until(lambda: any((tmp_path / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
-               f"a first checkpoint\n{hosts[0].output()[-3000:]}\n{hosts[1].output()[-3000:]}")
-    os.kill(hosts[1].pid, signal.SIGKILL)
-    assert hosts[0].wait(120) == 1, hosts[0].output()[-3000:]
-    output = hosts[0].output()
+               f"a first checkpoint\n{launchers[0].output()[-3000:]}\n{launchers[1].output()[-3000:]}")
+    os.kill(launchers[1].pid, signal.SIGKILL)
+    assert launchers[0].wait(120) == 1, launchers[0].output()[-3000:]
+    output = launchers[0].output()
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert errors[-1] == ("error: training failed: fewer than the 2 hosts an elastic job needs (NNODES=2:2) were left, "
                           "and no other host joined within RDZV_TIMEOUT (10 s) (start the lost hosts again, or lower "

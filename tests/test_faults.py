@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
@@ -86,6 +87,42 @@ def test_sigkilled_worker_restarts_the_group_and_ends_as_if_uninterrupted(tmp_pa
     newest = f"step-{done['global_step']:08d}.pt"
     assert_same_params(load_checkpoint(faulty / "checkpoints" / newest)["optimizer"]["state"][0],
                        load_checkpoint(reference / "checkpoints" / newest)["optimizer"]["state"][0])
+
+
+def test_a_static_job_takes_back_a_host_whose_launcher_was_started_again(tmp_path, launches):
+    """NNODES=2 with MAX_RESTARTS: one host lost (its launcher SIGKILLed, its workers with it), the other
+    restarts its ranks and waits; the lost host's launcher started again, with its restart count at 0, joins the
+    group the other is waiting in at once (no failed attempt of its own) and the job completes at world size 2."""
+    import torch.distributed as dist
+
+    port = free_port()
+
+    def host(node: int, name: str) -> Launch:
+        return Launch(tiny_run(tmp_path, samples=3200), tmp_path,
+                      launcher_env(port, NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
+                                   MASTER_ADDR="127.0.0.1", MAX_RESTARTS="3"), name=name)
+    first = host(0, "host0")  # hosts the rendezvous store
+    launches.append(first)
+    time.sleep(1)
+    second = host(1, "host1")
+    launches.append(second)
+    first_checkpoint(tmp_path / "checkpoints", first)
+    lost_workers = list(second.workers().values())
+    os.kill(second.pid, signal.SIGKILL)
+    wait_until(lambda: not any(running(p) for p in lost_workers), 10, "the lost host's workers to die with it")
+    # The survivor's restarted rank has joined its second group (attempt 1): the lost host returns now.
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=RUN_BOUND_S))
+    wait_until(lambda: store.get("trainer/newest-attempt") == b"1", RUN_BOUND_S, f"the survivor's restart\n"
+               f"{first.output()[-3000:]}")
+    back = host(1, "host1-back")
+    launches.append(back)
+    assert back.wait(RUN_BOUND_S) == 0, back.output()[-4000:]
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert "restart 1 of 3: " in first.output(), first.output()[-3000:]
+    assert "restart " not in back.output(), back.output()[-4000:]  # it met the waiting group at its first try
+    done = read_summary(tmp_path / "runs")
+    assert done["status"] == "completed" and done["world_size"] == 2 and done["global_step"] == 100
+    assert 0 < done["resumed_from_step"] < 100
 
 
 # ------------------------------------------------------------------------------------ fail fast
