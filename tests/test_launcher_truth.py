@@ -320,3 +320,8 @@ def test_a_collective_timeout_names_the_rank_stuck_outside_it(tmp_path, launches
     survivor = [line for line in error_lines(run.output()) if line.startswith("error: collective: ")]
     assert survivor and re.search(rf"; rank 1 \(host .+\) is not in the collective: stuck at api_stuck\.py:{sleeping} "
                                   r"in load_batch \(", survivor[0]), run.output()[-3000:]
+    # The stuck rank leaves soon after torchrun's stop, not at its SIGKILL 30 s later.
+    assert re.search(rf"\[rank 1\] WARNING still running 5 s after torchrun's stop, outside any collective \(at "
+                     rf"api_stuck\.py:{sleeping} in load_batch when it came\): this rank leaves now", run.output()), \
+        run.output()[-3000:]
+    assert "forcefully exiting via 9" not in run.output(), run.output()[-3000:]

@@ -5,11 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
+import threading
+import time
 
 from trainer.cluster import workers
 from trainer.dist.context import DistContext
 
 log = logging.getLogger("trainer")
+# After torchrun's stop for another rank's failure: a rank in a collective fails on its own well within this; one
+# still running after it is stuck elsewhere (its own code, a read), where torchrun would SIGKILL it only after 30 s.
+TEARDOWN_GRACE_S = 5.0
+WRITER_THREAD = "checkpoint-writer"  # the name of the thread that writes a background checkpoint
 
 
 class GracefulStop:
@@ -32,6 +39,10 @@ class GracefulStop:
         if workers.peer_failed_here():  # torchrun tearing the group down: no user asked for a stop
             log.warning("received %s: torchrun stops this host's workers after another one failed",
                         signal.Signals(signum).name)
+            if not any(t.name == "teardown" for t in threading.enumerate()):
+                where = (f"{os.path.basename(_frame.f_code.co_filename)}:{_frame.f_lineno} in {_frame.f_code.co_name}"
+                         if _frame is not None else "an unknown place")
+                threading.Thread(target=_leave_if_stuck, args=(where,), name="teardown", daemon=True).start()
             return
         log.warning("received %s: stopping within a step or two, with a checkpoint", signal.Signals(signum).name)
 
@@ -43,6 +54,20 @@ class GracefulStop:
         dead worker instead of checkpointing. In a process group of its own, a worker gets neither that
         signal nor a terminal's Ctrl-C; its parent shuts it down (and it exits when its parent dies)."""
         os.setpgid(0, 0)
+
+
+def _leave_if_stuck(where: str) -> None:
+    """The teardown thread: a rank still here TEARDOWN_GRACE_S after torchrun's stop is not in a collective (that
+    would have failed); it leaves now, so the restart or the end comes without torchrun's 30 s wait. A checkpoint
+    write in flight finishes first: what it commits is the restart's starting point."""
+    time.sleep(TEARDOWN_GRACE_S)
+    while any(t.name == WRITER_THREAD and t.is_alive() for t in threading.enumerate()):
+        time.sleep(0.2)
+    log.warning("still running %g s after torchrun's stop, outside any collective (at %s when it came): this "
+                "rank leaves now", TEARDOWN_GRACE_S, where)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
 
 
 class StopVote:
