@@ -37,7 +37,7 @@ from trainer.config.settings import ELASTIC_WORLD_ENV
 from trainer.core.errors import Diverged, EchoedUsageError, UsageError
 from trainer.dist import collectives
 from trainer.dist.context import DistContext
-from trainer.dist.stop import WRITER_THREAD
+from trainer.dist.stop import writing
 from trainer.dist.strategy import is_sharded, weights_are_finite
 
 log = logging.getLogger("trainer")
@@ -218,25 +218,26 @@ class Checkpointer:
                                                         self.keep, (model_name, optim_name), self._background_group)
                 except CheckpointError as err:
                     raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
-                self._writer = threading.Thread(target=self._write, args=(pos.step, finish), name=WRITER_THREAD)
+                self._writer = threading.Thread(target=self._write, args=(pos.step, finish), name="checkpoint-writer")
                 self._writer.start()
             elif self.ctx.is_main:  # a copy the next steps cannot change, then the write in a thread
                 # Into the previous copy's tensors where they fit: a fresh copy also faults in and zeroes every
                 # page, in the step. The previous write is done (wait() above), so nothing reads them.
                 state = cpu_copy(ckpt.snapshot(self.objects, info), reuse=self._copy)
                 self._copy = state
-                self._writer = threading.Thread(target=self._write, args=(pos.step, state), name=WRITER_THREAD)
+                self._writer = threading.Thread(target=self._write, args=(pos.step, state), name="checkpoint-writer")
                 self._writer.start()
             return
         try:
-            if self.sharded:
-                model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
-                rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
-                path = save_sharded(self.directory, pos.step, model, optimizer, rest, self.ctx, self.keep,
-                                    (model_name, optim_name))
-            else:
-                state = ckpt.snapshot(self.objects, info) if self.ctx.is_main else None
-                path = save(self.directory, pos.step, state, self.keep) if self.ctx.is_main else None
+            with writing():
+                if self.sharded:
+                    model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
+                    rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
+                    path = save_sharded(self.directory, pos.step, model, optimizer, rest, self.ctx, self.keep,
+                                        (model_name, optim_name))
+                else:
+                    state = ckpt.snapshot(self.objects, info) if self.ctx.is_main else None
+                    path = save(self.directory, pos.step, state, self.keep) if self.ctx.is_main else None
         except CheckpointError as err:  # the store names the built-in loop's flag
             raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
         if self.ctx.is_main:
@@ -249,7 +250,8 @@ class Checkpointer:
         commits them."""
         idle_priority()
         try:
-            path = state() if callable(state) else save(self.directory, step, state, self.keep)
+            with writing():
+                path = state() if callable(state) else save(self.directory, step, state, self.keep)
         except CheckpointError as err:
             self._write_failed = CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1))
             return

@@ -55,11 +55,17 @@ def _write(path: Path, facts: dict) -> None:
         f.write(json.dumps(facts))
 
 
+def group() -> str:
+    """Which start of the worker group this worker belongs to: torchrun's restart count, with the world size and
+    the group's store port, which an elastic round changes without counting a restart."""
+    return "/".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE", "MASTER_PORT"))
+
+
 def start() -> None:
     """A new worker's record (a restarted rank's replaces its predecessor's)."""
     folder = agent_dir()
     if folder is not None:
-        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0)})
+        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "group": group()})
         progress()
 
 
@@ -112,6 +118,7 @@ class Worker:
     joined: bool = False  # it was in a torch.distributed process group at some point
     frameworks: tuple[str, ...] = ()  # training frameworks it had imported, by the end
     single_process: tuple[str, ...] = ()  # of those, the ones that ran it as a job of one
+    group: str = ""  # workers.group() of its start
 
     @property
     def alive(self) -> bool:
@@ -137,7 +144,8 @@ def read_workers(folder: Path) -> list[Worker]:
             facts = json.loads(path.read_text())
             workers.append(Worker(int(path.stem.split("-")[1]), int(facts["pid"]), int(facts.get("pgid", 0)),
                                   facts.get("exit"), facts.get("committed"), bool(facts.get("joined")),
-                                  tuple(facts.get("frameworks", ())), tuple(facts.get("single_process", ()))))
+                                  tuple(facts.get("frameworks", ())), tuple(facts.get("single_process", ())),
+                                  str(facts.get("group", ""))))
         except (OSError, ValueError, KeyError):
             continue
     return sorted(workers, key=lambda w: w.rank)
@@ -177,10 +185,12 @@ def trained_alone(found: list[Worker], world_size: int) -> str | None:
 
 
 def peer_failed_here() -> bool:
-    """A sibling worker on this host ended without a clean exit: a SIGTERM now is torchrun stopping the group
-    after that failure, not a user's stop."""
+    """A sibling worker of this group on this host ended without a clean exit: a SIGTERM now is torchrun stopping
+    the group after that failure, not a user's stop. An earlier group's records (an elastic round's other ranks,
+    which exited 75 when a host left) do not count: a SIGTERM after them is the next round's stop."""
     folder = agent_dir()
     if folder is None:
         return False
-    me = this_rank()
-    return any(w.rank != me and w.exit != 0 and (w.exit is not None or not w.alive) for w in read_workers(folder))
+    me, mine = this_rank(), group()
+    return any(w.rank != me and w.group == mine and w.exit != 0 and (w.exit is not None or not w.alive)
+               for w in read_workers(folder))

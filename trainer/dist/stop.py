@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,7 +17,21 @@ log = logging.getLogger("trainer")
 # After torchrun's stop for another rank's failure: a rank in a collective fails on its own well within this; one
 # still running after it is stuck elsewhere (its own code, a read), where torchrun would SIGKILL it only after 30 s.
 TEARDOWN_GRACE_S = 5.0
-WRITER_THREAD = "checkpoint-writer"  # the name of the thread that writes a background checkpoint
+_writes = 0  # checkpoint writes in flight, in the step or in the background: the teardown waits for them
+_writes_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def writing():
+    """Around a checkpoint write: a rank leaving after torchrun's stop lets it finish (torchrun's SIGKILL may not)."""
+    global _writes
+    with _writes_lock:
+        _writes += 1
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            _writes -= 1
 
 
 class GracefulStop:
@@ -61,7 +76,7 @@ def _leave_if_stuck(where: str) -> None:
     would have failed); it leaves now, so the restart or the end comes without torchrun's 30 s wait. A checkpoint
     write in flight finishes first: what it commits is the restart's starting point."""
     time.sleep(TEARDOWN_GRACE_S)
-    while any(t.name == WRITER_THREAD and t.is_alive() for t in threading.enumerate()):
+    while _writes:
         time.sleep(0.2)
     log.warning("still running %g s after torchrun's stop, outside any collective (at %s when it came): this "
                 "rank leaves now", TEARDOWN_GRACE_S, where)
