@@ -15,6 +15,7 @@ function below then does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,10 +63,17 @@ def group() -> str:
 
 
 def start() -> None:
-    """A new worker's record (a restarted rank's replaces its predecessor's)."""
+    """A new worker's record (a restarted rank's replaces its predecessor's). An earlier group's records go: after
+    an elastic round the ranks are others (this host's 2 and 3 became 0 and 1), and what the supervisor reads of
+    this host's workers (the end of a stop, its exit status) is this group's."""
     folder = agent_dir()
     if folder is not None:
-        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "group": group()})
+        mine = group()
+        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "group": mine})
+        for w in read_workers(folder):
+            if w.group != mine:
+                with contextlib.suppress(OSError):
+                    (folder / f"rank-{w.rank}.json").unlink()
         progress()
 
 

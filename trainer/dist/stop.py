@@ -41,6 +41,7 @@ class GracefulStop:
 
     def __init__(self):
         self.requested = False
+        self.leaving = False  # the teardown thread runs (torchrun stops the group after another rank failed)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._request)
 
@@ -54,7 +55,8 @@ class GracefulStop:
         if workers.peer_failed_here():  # torchrun tearing the group down: no user asked for a stop
             log.warning("received %s: torchrun stops this host's workers after another one failed",
                         signal.Signals(signum).name)
-            if not any(t.name == "teardown" for t in threading.enumerate()):
+            if not self.leaving:
+                self.leaving = True
                 where = (f"{os.path.basename(_frame.f_code.co_filename)}:{_frame.f_lineno} in {_frame.f_code.co_name}"
                          if _frame is not None else "an unknown place")
                 threading.Thread(target=_leave_if_stuck, args=(where,), name="teardown", daemon=True).start()
