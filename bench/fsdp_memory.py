@@ -1,7 +1,7 @@
 """`python -m bench.fsdp_memory`: per-rank training state under --strategy ddp and fsdp, on CPU processes.
 
 For each model, strategy and process count (interleaved, --rounds times) a torchrun of CPU processes
-builds the model the trainer's way (trainer.dist.strategy wraps it, trainer.engine.optim builds SGD with
+builds the model the trainer's way (trainer.parallel.strategy wraps it, trainer.engine.optim builds SGD with
 momentum), trains --steps steps on synthetic images and then counts, per rank, the bytes of what
 that rank holds of the parameters, their gradients and the optimizer state (fsdp: its shards; ddp:
 everything), and its peak resident memory. Reported: the medians, and fsdp/ddp at each count
@@ -80,9 +80,9 @@ def worker(args: argparse.Namespace) -> None:
     from trainer.cluster.topology import WORKER, resolve
     from trainer.config.settings import load_config
     from trainer.data.images import synthetic_spec
-    from trainer.dist import collectives
-    from trainer.dist.context import setup, teardown
-    from trainer.dist.strategy import for_run
+    from trainer.parallel import collectives
+    from trainer.parallel.context import setup, teardown
+    from trainer.parallel.strategy import for_run
     from trainer.engine.models import build_model
     from trainer.engine.optim import build_optimizer
 

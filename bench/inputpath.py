@@ -113,7 +113,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from trainer.cluster.topology import WORKER, resolve
     from trainer.config.settings import load_config
     from trainer.data.datasets import Batches, build_datasets
-    from trainer.dist.context import DistContext
+    from trainer.parallel.context import DistContext
 
     device = torch.device("cuda" if args.one == "gpu" else "cpu")
     dataset = ["--dataset", "packed"] if args.one == "packed" else ["--dataset", "imagefolder", "--decode", args.one]

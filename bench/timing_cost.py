@@ -33,7 +33,7 @@ def one_copy(timing_on: bool, log_every: int):
 
     from trainer.cluster.topology import WORKER, resolve
     from trainer.config.settings import load_config
-    from trainer.dist.context import DistContext
+    from trainer.parallel.context import DistContext
     from trainer.engine.optim import build_optimizer
     from trainer.observe.steptiming import StepTiming
 

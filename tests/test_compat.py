@@ -53,7 +53,7 @@ def test_the_other_guards_take_their_public_path():
     probe = """
 import torch, torchvision
 from trainer.data.datasets import cifar10_class
-from trainer.dist.strategy import bf16_policy
+from trainer.parallel.strategy import bf16_policy
 from trainer.engine.run import cpu_has_bf16
 model = torchvision.models.resnet18()
 policy, units = bf16_policy(model, per_parameter=False)

@@ -29,7 +29,7 @@ from trainer.config.settings import load_config
 from trainer.core.errors import UsageError
 from trainer.data.datasets import DOWNLOAD_STALL_TIMEOUT_S, Batches, build_datasets, make_synthetic, random_crop_flip
 from trainer.data.images import sample_keys
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 CPU = torch.device("cpu")
 

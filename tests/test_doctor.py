@@ -305,7 +305,7 @@ def test_shm_facts_are_those_of_the_data_and_models_the_trainer_builds(tmp_path,
 
     from trainer.cluster.topology import WORKER, resolve
     from trainer.data.datasets import Batches, InMemoryImages, build_datasets
-    from trainer.dist.context import DistContext
+    from trainer.parallel.context import DistContext
     from trainer.engine.models import build_model
 
     if DATASET_FILES[dataset]:

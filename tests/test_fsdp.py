@@ -266,14 +266,14 @@ SAVE_LOOP = """
 import os, sys, torch
 from trainer.checkpoint.checkpointer import Checkpointer, Labels
 from trainer.checkpoint.state import Position
-from trainer.dist.context import setup
+from trainer.parallel.context import setup
 from trainer.config.settings import load_config
 from trainer.engine.optim import build_optimizer, build_scheduler
 from trainer.cluster.topology import WORKER, resolve
 
 ctx = setup(resolve(os.environ, WORKER), "gloo", 60)
 cfg = load_config(["--strategy", "fsdp", "--checkpoint-dir", sys.argv[1]], {}, ctx.world_size)
-from trainer.dist.strategy import for_run
+from trainer.parallel.strategy import for_run
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
 for_run(cfg, ctx, model).wrap(model)
 optimizer = build_optimizer(cfg, model)

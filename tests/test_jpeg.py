@@ -21,7 +21,7 @@ from trainer.core.errors import UsageError
 from trainer.data import jpeg
 from trainer.data.datasets import Batches, build_datasets
 from trainer.data.images import ImageFolderWithKeys, sample_key, sample_keys
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 CPU = torch.device("cpu")
 SIDE = 64

@@ -283,6 +283,64 @@ def test_ranks_that_trained_alone_are_told_in_one_warning(tmp_path, script, env,
         assert last == f"warning: every process trained alone, not as one job of 2 ranks ({warning})", last
 
 
+# The tutorials' ending: destroy_process_group(), then return, with the DDP model still in reference cycles.
+TUTORIAL_ENDING = """
+import os, sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Witness:
+    \"\"\"Freed with the model's cycles: says whether the interpreter was still whole then.\"\"\"
+    def __del__(self):
+        print(f"rank {os.environ['RANK']} freed the model, finalizing={sys.is_finalizing()}", file=sys.stderr,
+              flush=True)
+
+
+def main():
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(4, 2))
+    model.witness = Witness()
+    model.cycle = model  # what DDP's hooks do, made certain
+    model(torch.ones(2, 4)).sum().backward()
+    dist.destroy_process_group()
+    if os.environ.get("ABORT_AT_EXIT") == os.environ["RANK"]:
+        import atexit
+        atexit.register(os.abort)  # a library's thread torn down in the interpreter's exit, made certain
+
+
+main()
+"""
+
+
+def test_a_script_ending_as_the_tutorials_do_frees_its_process_group_before_the_interpreter_exits(tmp_path):
+    """A model still holding the process group at the interpreter's exit aborted plain-torchrun runs (SIGABRT,
+    "terminate called without an active exception") after their last step; under the launcher it is freed while
+    the interpreter is whole."""
+    (tmp_path / "ending.py").write_text(TUTORIAL_ENDING)
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "ending.py"], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
+                            timeout=RUN_BOUND_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} freed the model, finalizing=False" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_rank_that_aborts_at_exit_after_its_last_step_is_named_so(tmp_path):
+    """A SIGABRT after the program returned is not a crash in training: the end line says so and where the fix is."""
+    (tmp_path / "ending.py").write_text(TUTORIAL_ENDING)
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "ending.py"], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port(), ABORT_AT_EXIT="1")), capture_output=True,
+                            text=True, timeout=RUN_BOUND_S)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert error_lines(result.stderr) == [
+        "error: training failed: rank 1 aborted at exit, after its last step (its program had returned; a process "
+        "group still held by a model at the interpreter's exit aborts it: docs/scripts.md#the-end-of-a-script says "
+        "how to end cleanly)"], result.stderr[-3000:]
+
+
 STUCK_ON_THE_API = """
 import time
 

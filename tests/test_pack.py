@@ -18,7 +18,7 @@ from trainer.cluster.topology import WORKER, resolve
 from trainer.config.settings import load_config
 from trainer.data import pack
 from trainer.data.datasets import Batches, build_datasets
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from helpers import assert_same_params, dirs_args, final_params, max_param_difference, train_ok
 
-from trainer.dist.shm_allreduce import SHM_DIR, local_problem
+from trainer.parallel.shm_allreduce import SHM_DIR, local_problem
 
 RUN = ["--model", "cnn", "--synthetic-size", "576", "--batch-size", "16", "--max-steps", "6", "--lr", "0.05",
        "--warmup-steps", "2", "--log-every", "3", "--val-every", "0", "--num-workers", "0"]

@@ -10,7 +10,7 @@ The package is in rooms, each importing only the ones below it (pyproject.toml's
     core        the one-line error contract, atomic writes
     config      settings (every TRAIN_* variable and flag) and the catalogue of models and datasets
     cluster     topology, launcher, preflight (doctor), supervisor; torch-free
-    dist        the process group, collectives, the stop, strategies (ddp, fsdp)
+    parallel    the process group, collectives, the stop, strategies (ddp, fsdp)
     data | checkpoint | observe
     engine      the loop's pieces (Run) and the built-in loop
     api | cli   the public helper API; the console scripts

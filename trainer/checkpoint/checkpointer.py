@@ -35,10 +35,10 @@ from trainer.checkpoint.store import (
 )
 from trainer.config.settings import ELASTIC_WORLD_ENV
 from trainer.core.errors import Diverged, EchoedUsageError, UsageError
-from trainer.dist import collectives
-from trainer.dist.context import DistContext
-from trainer.dist.stop import writing
-from trainer.dist.strategy import is_sharded, weights_are_finite
+from trainer.parallel import collectives
+from trainer.parallel.context import DistContext
+from trainer.parallel.stop import writing
+from trainer.parallel.strategy import is_sharded, weights_are_finite
 
 log = logging.getLogger("trainer")
 

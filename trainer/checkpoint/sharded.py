@@ -211,7 +211,7 @@ def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainer.dist import collectives
+    from trainer.parallel import collectives
 
     temp = directory / f"{TEMP_PREFIX}{final.name}"  # one name on every rank: they write into one directory
 

@@ -27,7 +27,7 @@ import torch
 from trainer.checkpoint.state import FORMAT
 from trainer.core.errors import UsageError, first_line, os_reason
 from trainer.core.files import TEMP_PREFIX, atomic_file
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 log = logging.getLogger(__name__)
 

@@ -131,7 +131,7 @@ def shm_uses(training: TrainConfig, plan: Topology, gpus: int) -> tuple[int, int
 
 def check_shm(training: TrainConfig | None, plan: Topology, gpus: int) -> Check:
     # DataLoader workers hand batches over through /dev/shm: Docker's 64 MiB default kills them with
-    # "bus error". CPU processes all on one host all-reduce gradients there (trainer/dist/shm_allreduce.py);
+    # "bus error". CPU processes all on one host all-reduce gradients there (trainer/parallel/shm_allreduce.py);
     # without the room they fall back to gloo's slower TCP, so that shortfall only warns.
     # A user's script (training None) may start DataLoader workers of unknown need: below 1 GiB warns.
     loader, allreduce, uses = shm_uses(training, plan, gpus) if training else (0, 0, [])

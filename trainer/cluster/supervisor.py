@@ -64,11 +64,17 @@ def _root_cause_first(item: tuple) -> tuple:
     return failure.timestamp, kind, observed
 
 
-def describe_child_failure(failures: dict, gone: str | None = None) -> tuple[str, int]:
+def describe_child_failure(failures: dict, gone: str | None = None, ended: frozenset[int] = frozenset()
+                           ) -> tuple[str, int]:
     """(message, exit code) for torchrun's ChildFailedError.failures: {global rank: ProcessFailure}, in the
-    order torchrun observed them; `gone`: the hosts that went away meanwhile (trainer.cluster.presence)."""
+    order torchrun observed them; `gone`: the hosts that went away meanwhile (trainer.cluster.presence); `ended`:
+    the ranks whose program had returned (their record says exit 0) before the process died."""
     (rank, failure), _ = min(zip(failures.items(), range(len(failures))), key=_root_cause_first)
     code = failure.exitcode
+    if code == -signal.SIGABRT and rank in ended:
+        return (f"training failed: rank {rank} aborted at exit, after its last step (its program had returned; a "
+                "process group still held by a model at the interpreter's exit aborts it: docs/scripts.md#the-end-"
+                "of-a-script says how to end cleanly)", 1)
     if code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
@@ -357,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             # err's traceback holds torchrun's agent, and with it the store node 0 hosts: still up here.
             gone = end_presence(beat, "failed", args, failed=True)
-            message, code = describe_child_failure(err.failures, gone)
+            ended = frozenset(w.rank for w in workers.read_workers(Path(folder)) if w.exit == 0)
+            message, code = describe_child_failure(err.failures, gone, ended)
             print_error(message)
             return code
         except WorkerUsageError as err:

@@ -28,7 +28,7 @@ HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 # Where a rank waits for its peers: torch's collectives, DDP's reducer (inside backward) and the trainer's own.
 COLLECTIVE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}",
-              f"{os.sep}torch{os.sep}autograd{os.sep}", f"{os.sep}trainer{os.sep}dist{os.sep}")
+              f"{os.sep}torch{os.sep}autograd{os.sep}", f"{os.sep}trainer{os.sep}parallel{os.sep}")
 LIBRARY = ("site-packages", "dist-packages", "<frozen")
 HOST = socket.gethostname()
 NOISE = re.compile(r'File "(<frozen runpy>|.*trainer/cluster/bootstrap\.py)"')  # how the program was started

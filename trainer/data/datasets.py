@@ -29,10 +29,10 @@ from trainer.core.errors import EchoedUsageError, UsageError, first_line
 from trainer.data.images import (ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_keys, seeded,
                                  synthetic_spec)
 from trainer.data.sampling import batch_range, epoch_shard
-from trainer.dist.collectives import local_main_first
-from trainer.dist.compat import private
-from trainer.dist.context import DistContext
-from trainer.dist.stop import GracefulStop
+from trainer.parallel.collectives import local_main_first
+from trainer.parallel.compat import private
+from trainer.parallel.context import DistContext
+from trainer.parallel.stop import GracefulStop
 
 log = logging.getLogger(__name__)
 

@@ -39,12 +39,12 @@ from trainer.cluster.watchdog import stuck_peers
 from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, check_gpu_options, flag_name, script_settings
 from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
 from trainer.data.sampling import ResumableSampler
-from trainer.dist import collectives
-from trainer.dist.collectives import MainRankFailed
-from trainer.dist.compat import private
-from trainer.dist.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
-from trainer.dist.stop import GracefulStop, StopVote
-from trainer.dist.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
+from trainer.parallel import collectives
+from trainer.parallel.collectives import MainRankFailed
+from trainer.parallel.compat import private
+from trainer.parallel.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
+from trainer.parallel.stop import GracefulStop, StopVote
+from trainer.parallel.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
 from trainer.observe.metrics import setup_logging
 from trainer.observe.observers import Observers
 
@@ -204,7 +204,7 @@ class Run:
         return self.strategy.compiled(forward)
 
     def _periodic_averaging(self):
-        from trainer.dist.local_sgd import PeriodicAveraging
+        from trainer.parallel.local_sgd import PeriodicAveraging
         from trainer.engine.optim import warmup_length
 
         total = self.total_steps

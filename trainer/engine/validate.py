@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from trainer.dist import collectives
-from trainer.dist.strategy import evaluation_batches
+from trainer.parallel import collectives
+from trainer.parallel.strategy import evaluation_batches
 from trainer.engine.models import Objective
 
 log = logging.getLogger("trainer")

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from trainer.core.errors import first_line, os_reason
 from trainer.core.files import write_json_atomic
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 
 def setup_logging(ctx: DistContext) -> None:

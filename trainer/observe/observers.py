@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from trainer.core.errors import os_reason, print_error
 from trainer.core.files import write_json_atomic
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 from trainer.observe.metrics import WARMUP_STEPS_EXCLUDED, Progress, Scalars, Throughput
 from trainer.observe.profiling import StepProfiler
 from trainer.observe.steptiming import StepTiming
@@ -85,7 +85,7 @@ class Observers:
         if self.timing is not None:
             summed = self.timing.reduce_loss(self.loss_sum)
         else:
-            from trainer.dist.collectives import all_reduce_sum
+            from trainer.parallel.collectives import all_reduce_sum
 
             summed = all_reduce_sum(self.ctx, self.loss_sum).item()
         values: dict[str, float] = {}

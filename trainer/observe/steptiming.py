@@ -28,7 +28,7 @@ import statistics
 import time
 from typing import Any, Iterable, Iterator
 
-from trainer.dist import collectives
+from trainer.parallel import collectives
 
 log = logging.getLogger("trainer")
 FIELDS = ("data_wait_ms", "compute_ms", "comm_wait_ms", "optimizer_ms")

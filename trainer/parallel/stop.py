@@ -11,7 +11,7 @@ import threading
 import time
 
 from trainer.cluster import workers
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 log = logging.getLogger("trainer")
 # After torchrun's stop for another rank's failure: a rank in a collective fails on its own well within this; one

@@ -23,9 +23,9 @@ import time
 import torch
 
 from trainer.core.errors import first_line
-from trainer.dist.compat import private
-from trainer.dist.collectives import all_gather_objects, barrier
-from trainer.dist.context import DistContext
+from trainer.parallel.compat import private
+from trainer.parallel.collectives import all_gather_objects, barrier
+from trainer.parallel.context import DistContext
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"

@@ -29,8 +29,8 @@ from torch import nn
 
 from trainer.config.settings import TrainConfig
 from trainer.core.errors import UsageError
-from trainer.dist.compat import private
-from trainer.dist.context import DistContext
+from trainer.parallel.compat import private
+from trainer.parallel.context import DistContext
 
 log = logging.getLogger("trainer")
 
@@ -75,7 +75,7 @@ def local_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 def weights_are_finite(ctx: DistContext, model: nn.Module) -> bool:
     """Whether every rank's weights and buffers are finite; a collective, so every rank calls it."""
-    from trainer.dist.collectives import all_reduce_sum
+    from trainer.parallel.collectives import all_reduce_sum
 
     tensors = [t for t in local_tensors(model) if t.numel()]  # an fsdp shard may be empty
     if not tensors:
@@ -109,7 +109,7 @@ class Strategy:
             self.wrapped = DDP(model, device_ids=[self.ctx.device.index] if cuda else None,
                                **{"gradient_as_bucket_view": True, **ddp_options})
             if self.cfg.shm_allreduce:
-                from trainer.dist.shm_allreduce import register_if_usable
+                from trainer.parallel.shm_allreduce import register_if_usable
 
                 register_if_usable(self.wrapped, self.ctx)
         return self.wrapped
@@ -179,7 +179,7 @@ class FSDPStrategy(Strategy):
         fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
         if self.cfg.shm_allreduce:
             shm = private("FSDP2's custom collectives (torch.distributed.fsdp._fully_shard._fsdp_api)",
-                          lambda: __import__("trainer.dist.shm_fsdp", fromlist=["register_if_usable"]))
+                          lambda: __import__("trainer.parallel.shm_fsdp", fromlist=["register_if_usable"]))
             if shm is not None:  # else gloo's all-gathers and reduce-scatters
                 shm.register_if_usable([*self.blocks, model], self.ctx)
         return model
@@ -276,7 +276,7 @@ def evaluation_batches(model: nn.Module, batches: Iterable, count: int, ctx: Dis
     if not is_sharded(model):
         yield from batches
         return
-    from trainer.dist import collectives
+    from trainer.parallel import collectives
 
     epoch = iter(batches)
     last = next(epoch, None)

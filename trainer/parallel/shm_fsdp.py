@@ -28,9 +28,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from trainer.dist.collectives import all_gather_objects, barrier
-from trainer.dist.context import DistContext
-from trainer.dist.shm_allreduce import all_cpu_on_one_host, open_shared, share, sharing_problem
+from trainer.parallel.collectives import all_gather_objects, barrier
+from trainer.parallel.context import DistContext
+from trainer.parallel.shm_allreduce import all_cpu_on_one_host, open_shared, share, sharing_problem
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import contextlib
 from typing import Any, Callable, Iterator, TypeVar
 
 from trainer.core.errors import EchoedUsageError, UsageError, first_line
-from trainer.dist.context import DistContext
+from trainer.parallel.context import DistContext
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.dist.collectives import all_reduce_sum
-from trainer.dist.context import DistContext
+from trainer.parallel.collectives import all_reduce_sum
+from trainer.parallel.context import DistContext
 
 
 class PeriodicAveraging:
