@@ -19,17 +19,10 @@
 #     bash bench/gpu.sh          # all eight
 #     bash bench/gpu.sh 1 2      # some
 #
-# quick: the GPU measurements this stack owes, in one call of at most 8 minutes on one H100 or H200, into
-# one JSON file ($OUT/quick-<time>.json). Run it first whenever a GPU is lent. Every part has a time budget
-# (`timeout`; the budgets add up to 460 s besides start-up): a part that runs out is recorded as timed out,
-# not retried, so the whole stays within its window.
-#   A. ResNet-50, synthetic 224x224: the recommended settings (bf16, channels_last, compile) against the
-#      hand-written DDP loop (bench/handwritten.py, fp32: the only hand-written loop bench has)
-#   B. a generated folder of ImageNet-like JPEGs (6000) through --decode gpu and --decode cpu, each as a
-#      ratio to synthetic tensors at the same settings (bf16, channels_last; eager: no compile time)
-#   C. --strategy fsdp against ddp, ResNet-50, bf16 + channels_last
-#   D. a user's model factory (bench.usermodel:build) with --compile against without
-#   E. per-rank step timing on CUDA events: compute_ms and max_memory_mb in summary.json
+# quick: the GPU measurements this stack owes, in one call of at most 7 minutes (420 s, start-up of every run
+# included) on one H100 or H200, into one JSON file ($OUT/quick-<time>.json, rewritten after every run). Run it
+# first whenever a GPU is lent. bench/quick.py holds the plan: the parts in order of value, one round each, each
+# within its budget plus what the earlier parts left.
 #
 #     bash bench/gpu.sh quick             # on the GPU
 #     bash bench/gpu.sh quick --dry-run   # the plan (commands, budgets), anywhere: runs nothing
@@ -40,84 +33,7 @@ export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 
 if [[ ${1:-} == quick ]]; then
-  dry=0
-  case "${2:-}" in
-    "") ;;
-    --dry-run) dry=1 ;;
-    *) echo "error: bench/gpu.sh quick: unknown argument '$2' (--dry-run prints the plan)" >&2; exit 2 ;;
-  esac
-  stamp=$(date -u +%Y%m%d-%H%M%S)
-  if (( dry )); then work=${QUICK_WORK:-'<a new temporary folder>'}; else work=${QUICK_WORK:-$(mktemp -d)}; fi
-  jpegs=$work/jpegs
-  cpus=$(nproc)
-  workers=$(( cpus < 16 ? cpus - 1 : 15 ))
-  (( workers >= 1 )) || workers=1
-  rn50="--nproc 1 --model resnet50 --image-size 224 --batch-size 256 --threads 4"
-  fast="--amp bf16 --channels-last"
-  # name|seconds|command (run with bash -c; each bench writes its .json into $work/<name>)
-  plan=(
-    "A-resnet50-recommended-vs-handwritten|150|$python -m bench $rn50 --steps 25 --stacks trainer handwritten --trainer-args '$fast --compile' --out $work/A-resnet50-recommended-vs-handwritten"
-    "B-jpeg-decode-gpu-vs-synthetic|110|{ [[ -d $jpegs/train ]] || $python -m bench --input --make-data $jpegs --images 6000; } && $python -m bench $rn50 --steps 20 --stacks trainer baseline --trainer-args '$fast --dataset imagefolder --data-dir $jpegs --num-workers $workers --decode gpu' --baseline-args '$fast' --out $work/B-jpeg-decode-gpu-vs-synthetic"
-    "B-jpeg-decode-cpu-vs-synthetic|70|$python -m bench $rn50 --steps 20 --stacks trainer baseline --trainer-args '$fast --dataset imagefolder --data-dir $jpegs --num-workers $workers --decode cpu' --baseline-args '$fast' --out $work/B-jpeg-decode-cpu-vs-synthetic"
-    "C-fsdp-vs-ddp|60|$python -m bench $rn50 --steps 20 --stacks trainer baseline --trainer-args '--strategy fsdp $fast' --baseline-args '--strategy ddp $fast' --out $work/C-fsdp-vs-ddp"
-    "D-user-model-compiled-vs-eager|40|$python -m bench --nproc 1 --model bench.usermodel:build --batch-size 256 --steps 40 --threads 4 --stacks trainer baseline --trainer-args '$fast --compile' --baseline-args '$fast' --out $work/D-user-model-compiled-vs-eager"
-    "E-cuda-step-timing|30|$python -m torch.distributed.run --standalone --nproc-per-node=1 -m trainer --model cifar_resnet18 --synthetic-size 25600 --batch-size 256 --max-steps 60 --log-every 10 --val-every 0 --tracker tensorboard,csv --log-dir $work/E-cuda-step-timing/runs --checkpoint-dir $work/E-cuda-step-timing/checkpoints --env-file /dev/null"
-  )
-  total=0
-  for part in "${plan[@]}"; do total=$(( total + $(cut -d'|' -f2 <<<"$part") )); done
-  echo "bench/gpu.sh quick: ${#plan[@]} parts, ${total} s of budgets; results: $out/quick-$stamp.json"
-  if (( dry )); then
-    for part in "${plan[@]}"; do
-      IFS='|' read -r name budget command <<<"$part"
-      printf '%s (at most %s s):\n  %s\n' "$name" "$budget" "$command"
-    done
-    exit 0
-  fi
-  mkdir -p "$out"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$work/gpu.txt"
-  for part in "${plan[@]}"; do
-    IFS='|' read -r name budget command <<<"$part"
-    echo "== $name (at most $budget s)"
-    mkdir -p "$work/$name"
-    started=$SECONDS
-    status=0
-    timeout --kill-after=10 "$budget" bash -c "$command" > >(tee "$work/$name/log.txt") 2>&1 || status=$?
-    echo "$status $(( SECONDS - started ))" > "$work/$name/status"
-  done
-  # One JSON: the GPU, the software, and per part its command, budget, status, seconds and the bench's own JSON.
-  $python - "$work" "$out/quick-$stamp.json" "${plan[@]}" <<'EOF'
-import json, sys, time
-from pathlib import Path
-
-import torch
-
-work, target, plan = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-          "gpu": (work / "gpu.txt").read_text().strip(),
-          "torch": torch.__version__, "cuda": torch.version.cuda, "parts": {}}
-for part in plan:
-    name, budget, command = part.split("|", 2)
-    status, seconds = (work / name / "status").read_text().split()
-    entry = {"command": command, "budget_s": int(budget), "seconds": int(seconds),
-             "status": {"0": "ok", "124": "timed out", "137": "timed out"}.get(status, f"exit {status}")}
-    results = sorted((work / name).glob("*.json"))
-    if results:
-        entry["result"] = json.loads(results[-1].read_text())
-    runs = work / name / "runs"
-    if (runs / "summary.json").is_file():  # E: the step timing itself
-        summary = json.loads((runs / "summary.json").read_text())
-        rank = summary["ranks"][0]
-        entry["result"] = {"rank0": rank, "samples_per_second": summary["samples_per_second"],
-                           "timed_on_cuda": rank.get("compute_ms", 0) > 0 and rank.get("max_memory_mb", 0) > 0}
-    if entry["status"] != "ok":
-        entry["log_tail"] = (work / name / "log.txt").read_text()[-2000:]
-    report["parts"][name] = entry
-target.write_text(json.dumps(report, indent=2) + "\n")
-print(f"written: {target}")
-for name, entry in report["parts"].items():
-    print(f"  {name}: {entry['status']} in {entry['seconds']} s")
-EOF
-  exit 0
+  exec $python -m bench.quick --out "$out" "${@:2}"
 fi
 
 mkdir -p "$out"

@@ -55,6 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # a single run, in a child process
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--gpu-share", type=float, default=1.0, help=argparse.SUPPRESS)  # --decode-gpu-share
     args = parser.parse_args(argv)
     if args.one or args.make_data:
         return args
@@ -117,6 +118,8 @@ def run_one(args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda" if args.one == "gpu" else "cpu")
     dataset = ["--dataset", "packed"] if args.one == "packed" else ["--dataset", "imagefolder", "--decode", args.one]
+    if args.one == "gpu":
+        dataset += ["--decode-gpu-share", str(args.gpu_share)]
     cfg = load_config(["--env-file", os.devnull, *dataset, "--data-dir", str(args.root), "--image-size",
                        str(args.image_size), "--batch-size", str(args.batch_size), "--num-workers",
                        str(args.workers)], {}, world_size=1)

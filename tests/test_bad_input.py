@@ -107,6 +107,8 @@ TABLE = {
     # launcher: training flags it validates before torchrun starts
     "negative lr": launcher("--lr", "--lr", "-0.1"),
     "momentum 1.5": launcher("--momentum", "--momentum", "1.5"),
+    "decode-gpu-share above 1": launcher("--decode-gpu-share", "--decode-gpu-share", "1.5"),
+    "decode-gpu-share nan": launcher("--decode-gpu-share", "--decode-gpu-share", "nan"),
     "unknown optimizer": launcher("--optimizer", "--optimizer", "lamb"),
     "amp fp8": launcher("--amp", "--amp", "fp8"),
     "keep one checkpoint": launcher("--keep-checkpoints", "--keep-checkpoints", "1"),

@@ -221,6 +221,74 @@ def test_a_device_decoder_that_fails_on_trial_moves_the_run_to_the_cpu(tmp_path,
         list(tried.stage([tried.collate([tried[k] for k in batches[0]])], CPU))
 
 
+def test_the_decoding_thread_gives_the_batches_in_order_raises_their_errors_and_stops_when_closed(tmp_path):
+    """--decode gpu decodes on a thread of its own, ahead of the step: the batches come in the loader's order, the
+    same as decoded in the training thread; a bad file's error is raised in the training thread, at its batch;
+    a consumer that stops early (a stop, the end of --max-steps) leaves no decoding thread behind."""
+    import threading
+
+    write_jpeg_folder(tmp_path, per_class={"train": 8}, size=(120, 90))
+    data = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=5)
+    keys = [(i, 2) for i in range(len(data))]
+    batches = [data.collate([data[k] for k in keys[i:i + 4]]) for i in range(0, len(keys), 4)]
+    one_by_one = [data._views(b, CPU) for b in batches]  # the training thread's own decode, as before
+    ahead = list(data.stage(batches, CPU))
+    assert len(ahead) == len(one_by_one) == 4
+    for (images, labels), (want, want_labels) in zip(ahead, one_by_one):
+        assert torch.equal(images, want) and torch.equal(labels, want_labels)
+
+    def decoding_threads():
+        return [t for t in threading.enumerate() if t.name == "trainer-gpu-decode"]
+
+    stream = data.stage(batches, CPU)
+    next(stream)
+    stream.close()  # the consumer left after one batch
+    assert not decoding_threads()
+
+    def failing_loader():  # a DataLoader raises its worker's error from next(), as this does at batch 3
+        yield batches[0]
+        yield batches[1]
+        raise jpeg.UnreadableImage("train/dog/3.jpg (truncated)")
+
+    taken = []
+    with pytest.raises(jpeg.UnreadableImage, match="3.jpg"):
+        for images, _ in data.stage(failing_loader(), CPU):
+            taken.append(images)
+    assert len(taken) == 2 and torch.equal(taken[1], one_by_one[1][0])
+    assert not decoding_threads()
+
+
+def test_a_gpu_share_leaves_the_same_samples_to_the_cpu_path_every_time(tmp_path, caplog):
+    """--decode-gpu-share 0.5: about half of the samples, chosen by their keys, are the CPU path's own views
+    (decoded in the loader's workers), the rest the device's; the same ones in every run and resume, and no
+    'nvJPEG cannot take' warning for them."""
+    write_jpeg_folder(tmp_path, per_class={"train": 20}, size=(120, 90))
+    keys = [(i, 7) for i in range(40)]
+    cpu = jpeg.FastImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=3)
+    runs = []
+    for _ in range(2):
+        data = jpeg.GpuImageFolder(tmp_path / "train", True, SIDE, "imagenet", seed=3)
+        data.gpu_share = 0.5
+        jpeg._warned.clear()
+        with caplog.at_level(logging.WARNING, logger="trainer.data.jpeg"):
+            (images, _), = list(data.stage([data.collate([data[k] for k in keys])], CPU))
+        assert not [r for r in caplog.records if "nvJPEG" in r.getMessage()]
+        runs.append(images)
+    assert torch.equal(runs[0], runs[1])
+    on_cpu = [i for i, (index, epoch) in enumerate(keys)
+              if not jpeg.decoded_on_gpu(sample_key(index, epoch, 3), 0.5)]
+    assert 10 <= len(on_cpu) <= 30, len(on_cpu)
+    for i, key in enumerate(keys):
+        expected = cpu[key][0]
+        if i in on_cpu:
+            assert torch.equal(runs[0][i], expected)
+        else:
+            assert mean_abs(runs[0][i], expected) < 4.0
+    shares = [sum(jpeg.decoded_on_gpu(sample_key(i, 0, 0), share) for i in range(20000)) / 20000
+              for share in (0.0, 0.25, 0.65, 1.0)]
+    assert shares[0] == 0 and shares[-1] == 1 and abs(shares[1] - 0.25) < 0.02 and abs(shares[2] - 0.65) < 0.02
+
+
 def test_gpu_path_batches_through_workers_keep_the_keys(tmp_path):
     """Through Batches and a real DataLoader worker: views depend on (seed, epoch, index), not on the batch."""
     write_jpeg_folder(tmp_path, per_class={"train": 6}, size=(120, 90))

@@ -88,6 +88,9 @@ class TrainConfig:
                          "crop needs), gpu (nvJPEG batches on the GPU, crops and flips there; other files on "
                          "the CPU), pil (PIL + torchvision transforms, the reference); auto: cpu (gpu is opt-in until "
                          "a GPU run has measured it)", ("auto", "cpu", "gpu", "pil"))
+    decode_gpu_share: float = option(1.0, "--decode gpu: the share of each batch's JPEGs nvJPEG decodes (0 to 1, "
+                                     "as DALI's hw_decoder_load); the rest, chosen by sample, are decoded by the "
+                                     "loader's workers on the CPU path, so the two decoders add up")
     # Observability.
     val_every: int = option(1, "validate every N epochs (0: never)")
     log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
@@ -389,6 +392,9 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
             raise UsageError(setting("synthetic_size"), f"{cfg.synthetic_size} images of {cfg.synthetic_image_size}"
                              f"x{cfg.synthetic_image_size} need {need / 2**30:.1f} GiB and this host has "
                              f"{have / 2**30:.1f} GiB", "lower --synthetic-size or --synthetic-image-size")
+    if not 0 <= cfg.decode_gpu_share <= 1:
+        raise UsageError(setting("decode_gpu_share"), f"{cfg.decode_gpu_share:g} is not a share between 0 and 1",
+                         "give e.g. 0.65 for two thirds of each batch on the GPU's decoder, or 1 for all")
     if cfg.momentum >= 1:
         raise UsageError(setting("momentum"), f"{cfg.momentum} must be below 1", "use a value such as 0.9")
     batch_size = cfg.batch_size

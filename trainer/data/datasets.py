@@ -188,6 +188,9 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
     folder = image_folder_class(cfg, ctx)
     train = folder(root / "train", True, cfg.image_size, cfg.augment, cfg.seed)
     val = folder(root / "val", False, cfg.image_size, cfg.augment, cfg.seed) if (root / "val").is_dir() else None
+    for split in (train, val):
+        if isinstance(split, jpeg_module().GpuImageFolder):
+            split.gpu_share = cfg.decode_gpu_share
     if val is None:
         log.warning("no val/ folder under %s: validation is skipped", root)
     elif val.folder.classes != train.folder.classes:  # labels are class indices: any difference mislabels val
@@ -196,6 +199,12 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
                          f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} in only one of them)",
                          "give val/ the same class folders as train/")
     return train, val, builtin_spec("imagefolder", cfg.image_size, len(train.folder.classes))
+
+
+def jpeg_module():
+    from trainer.data import jpeg
+
+    return jpeg
 
 
 def image_folder_class(cfg: TrainConfig, ctx: DistContext):
