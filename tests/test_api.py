@@ -230,3 +230,37 @@ def test_a_bad_train_setting_for_a_script_is_one_line_from_the_launcher_before_t
                             text=True, timeout=RUN_TIMEOUT_S)
     assert "TRAIN_STRATEGY: unknown value 'fdsp' (choose one of ddp, fsdp)" in assert_usage_error(result, "TRAIN_STRATEGY")
     assert "torchrun" not in result.stderr
+
+
+def test_a_script_resumed_with_a_changed_learning_rate_weight_decay_and_step_size_trains_with_them(tmp_path):
+    """run.resume() loads the optimizer's and the scheduler's state over what the script built: a learning rate,
+    weight decay or scheduler setting the script changed since its checkpoint is applied after the load (the
+    schedule's rate of the moment scaled by the new base rate), with one line; unchanged, nothing is said."""
+    body = """
+        import os
+        optimizer = torch.optim.AdamW(model.parameters(), lr=float(os.environ["LR"]),
+                                      weight_decay=float(os.environ["WD"]))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=int(os.environ["STEP"]), gamma=0.5)
+        run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
+        for _ in range(int(os.environ["STEPS"])):
+            optimizer.step()
+            scheduler.step()
+            run.step()
+        group = optimizer.param_groups[0]
+        print("lr", group["lr"], "weight_decay", group["weight_decay"], "step_size", scheduler.step_size,
+              "base", scheduler.base_lrs[0])
+        """
+    path = script(tmp_path, body, "checkpoint_dir='c', log_dir='r'")
+    first = run_script(path, tmp_path, LR="0.1", WD="0.01", STEP="2", STEPS="3")
+    assert first.returncode == 0 and first.stdout.split() == "lr 0.05 weight_decay 0.01 step_size 2 base 0.1".split(), \
+        first.stdout + first.stderr[-3000:]
+    resumed = run_script(path, tmp_path, LR="0.01", WD="0", STEP="3", STEPS="0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The checkpoint's rate of step 3 (0.05, halved once) scaled by the new base rate: 0.005.
+    assert resumed.stdout.split() == "lr 0.005 weight_decay 0.0 step_size 3 base 0.01".split(), resumed.stdout
+    assert "settings changed since step-00000003.pt, applied: optimizer lr 0.1 -> 0.01, optimizer weight_decay " \
+           "0.01 -> 0, scheduler step_size 2 -> 3 (the schedule goes on from step 3 with them)" in resumed.stderr, \
+        resumed.stderr[-3000:]
+    same = run_script(path, tmp_path, LR="0.1", WD="0.01", STEP="2", STEPS="0")
+    assert same.stdout.split() == "lr 0.05 weight_decay 0.01 step_size 2 base 0.1".split(), same.stdout
+    assert "settings changed" not in same.stderr

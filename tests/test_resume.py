@@ -20,6 +20,7 @@ from helpers import (
     final_params,
     finished_run,
     load_checkpoint,
+    read_scalars,
     read_summary,
     run_trainer,
     train_ok,
@@ -131,3 +132,51 @@ def test_a_finished_run_started_again_changes_nothing(tmp_path):
             for p in (tmp_path / "runs").rglob("*")} == logs
     longer = train_ok([*run, "--epochs", "3"], tmp_path)  # more epochs: it trains on from step 8
     assert "resuming from" in longer.stderr and read_summary(tmp_path / "runs")["global_step"] == 12
+
+
+# ------------------------------------------------------------------ settings changed on resume
+CHANGED = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epochs", "2", "--val-every", "0",
+           "--log-every", "2", "--checkpoint-every", "8", "--num-workers", "0"]
+
+
+def test_a_resume_applies_a_changed_lr_weight_decay_momentum_schedule_and_warmup_and_says_so(tmp_path):
+    """The checkpoint's optimizer and scheduler state would override a new --lr (and the rest) in silence: the new
+    values are applied, the schedule goes on from the new base rate at the checkpoint's step, one line says so."""
+    from trainer.engine.optim import lr_factor
+
+    train_ok([*CHANGED, "--lr", "0.1", "--warmup-steps", "4", "--max-steps", "8", *dirs_args(tmp_path)], tmp_path)
+    resumed = train_ok([*CHANGED, "--lr", "0.01", "--weight-decay", "0", "--momentum", "0.5", "--warmup-steps", "0",
+                        "--lr-schedule", "step", *dirs_args(tmp_path)], tmp_path)
+    lines = [line for line in resumed.stderr.splitlines() if "settings changed since" in line]
+    assert len(lines) == 1, resumed.stderr[-3000:]
+    assert lines[0].endswith("settings changed since step-00000008.pt, applied: --lr 0.1 -> 0.01, --momentum 0.9 -> "
+                             "0.5, --weight-decay 0.0005 -> 0.0, --lr-schedule cosine -> step, --warmup-steps 4 -> 0 "
+                             "(the schedule goes on from step 8 with them)"), lines[0]
+    logged = dict(read_scalars(tmp_path / "runs")["lr"])
+    for step in (10, 16, 24, 32):  # the new schedule of the new base rate, from the checkpoint's step on
+        assert logged[step] == pytest.approx(0.01 * lr_factor(step, 32, 0, "step")), (step, logged)
+    final = load_checkpoint(tmp_path / "checkpoints" / "step-00000032.pt")
+    decay, no_decay = final["optimizer"]["param_groups"]
+    assert (decay["weight_decay"], decay["momentum"], no_decay["weight_decay"]) == (0.0, 0.5, 0.0)
+    assert final["scheduler"]["base_lrs"] == [0.01, 0.01]
+    again = train_ok([*CHANGED, "--lr", "0.01", "--weight-decay", "0", "--momentum", "0.5", "--warmup-steps", "0",
+                      "--lr-schedule", "step", "--epochs", "3", *dirs_args(tmp_path)], tmp_path)
+    assert "settings changed" not in again.stderr  # the same settings again: nothing to say
+
+
+def test_a_changed_lr_on_a_checkpoint_that_does_not_record_its_settings_is_refused_in_one_line(tmp_path):
+    """A checkpoint written before checkpoints recorded what their run built cannot tell a changed setting from the
+    schedule's own moves: a changed --lr is refused in one line naming the way on, not ignored."""
+    import torch
+
+    train_ok([*CHANGED, "--lr", "0.1", "--max-steps", "8", *dirs_args(tmp_path)], tmp_path)
+    path = tmp_path / "checkpoints" / "step-00000008.pt"
+    state = load_checkpoint(path)
+    del state["hyperparameters"]
+    torch.save(state, path)
+    result = run_trainer([*CHANGED, "--lr", "0.01", *dirs_args(tmp_path)], tmp_path)
+    line = assert_usage_error(result, "--lr")
+    assert "0.01 on resume, and " in line and "was trained with 0.1 (resume with --lr 0.1 until it commits a " \
+        "checkpoint, then change it" in line, line
+    same = train_ok([*CHANGED, "--lr", "0.1", "--max-steps", "10", *dirs_args(tmp_path)], tmp_path)
+    assert "settings changed" not in same.stderr and read_summary(tmp_path / "runs")["global_step"] == 10

@@ -52,6 +52,7 @@ class ResumePoint:
     door: str                 # ckpt.BUILT_IN or ckpt.SCRIPT
     config: dict | None       # the settings it was written with (None: trainer.api before the one engine)
     names: tuple[str, ...]    # the objects it holds
+    records_built: bool = True  # it records its optimizers' settings as built (checkpoints before that did not)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class Checkpointer:
         self.ctx, self.directory, self.keep, self.every = ctx, Path(directory), keep, every
         self.sharded, self.door, self.labels = sharded, door, labels
         self.objects: Registered | None = None
+        self.built: dict[str, Any] = {}  # the optimizers' and schedulers' settings as this run built them
+        self.changed: list[ckpt.Changed] = []  # those the resume found changed since its checkpoint, applied
+        self._live: dict[str, Any] = {}
         self.last_committed: int | None = None  # on disk, whole and renamed: what a resume would find
         self.last_requested: int | None = None  # the same on every rank: committed, or being written by rank 0
         # --checkpoint-async: rank 0 copies the state to CPU memory and a thread writes it while training goes
@@ -115,7 +119,7 @@ class Checkpointer:
             return None
         state, path = self._found
         return ResumePoint(path, state["global_step"], state["epoch"], ckpt.door_of(state), state.get("config"),
-                           tuple(ckpt.saved_names(state)))
+                           tuple(ckpt.saved_names(state)), "hyperparameters" in state)
 
     def prepare(self, log_dir: str) -> None:
         """Create the output directories, prove they take files, and take the checkpoint directory for this run
@@ -157,6 +161,7 @@ class Checkpointer:
         self.objects = Registered(objects, setting)
         if self.sharded and self.ctx.distributed:
             self.objects.sharded_pair(setting)  # refused now, not at the first commit
+        self.built, self._live = ckpt.as_built(self.objects), ckpt.live_settings(self.objects)
         return self.objects
 
     def _check_room(self) -> None:
@@ -180,6 +185,8 @@ class Checkpointer:
         model = self.objects.model
         ckpt.restore(self.objects, state, path, model is not None and is_sharded(model), self.labels.resume,
                      self.labels.fix)
+        self.changed = ckpt.apply_changed(self.objects, state.get("hyperparameters"), self.built, self._live)
+        self._live = {}
         ckpt.set_rng_state(self.ctx.device, state["rng"])
         self._found = None  # the objects hold their own copies now
         self.last_committed = state["global_step"]
@@ -207,7 +214,8 @@ class Checkpointer:
         for model in self.objects.modules.values():
             if not weights_are_finite(self.ctx, model):
                 raise self.diverged(pos.step)
-        info = ckpt.meta(pos, samples_per_batch, config, self.door, self.objects.names(), self.ctx.device)
+        info = ckpt.meta(pos, samples_per_batch, config, self.door, self.objects.names(), self.ctx.device,
+                         self.built)
         self.last_requested = pos.step
         if background and self.background:
             if self.sharded:  # every rank: its shard copied now, written by DCP's thread, committed by rank 0

@@ -6,7 +6,10 @@ A checkpoint holds, beside its `format`:
 - where training stands: `epoch`, `batch` (the next micro-batch of that epoch), `global_step`, and
   `samples_per_batch` (one micro-batch over all ranks: what lets another world size go on exactly);
 - torch's random state (`rng`), the run's settings (`config`), which door wrote it (`door`: built-in or script)
-  and the names registered (`registered`).
+  and the names registered (`registered`);
+- the hyper-parameters of its optimizers and LR schedulers as the run built them, before anything was loaded
+  (`hyperparameters`): what lets the next resume tell a setting changed since (a new learning rate) from a value
+  the run itself moved (the schedule's learning rate of the moment).
 Under fsdp the model's and the optimizer's tensors are DCP shards (trainer.checkpoint.sharded) and the rest is
 the directory's state file; `param_groups` is the optimizer's there.
 
@@ -33,7 +36,7 @@ BUILT_IN, SCRIPT = "built-in", "script"  # the "door" key: python -m trainer, or
 BUILT_IN_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # what the built-in loop registers
 # Keys of the checkpoint itself: no registered object may take these names.
 RESERVED = ("format", "epoch", "batch", "global_step", "samples_per_batch", "rng", "config", "door", "registered",
-            "objects", "param_groups")
+            "objects", "param_groups", "hyperparameters")
 
 
 @dataclass
@@ -132,11 +135,11 @@ def set_rng_state(device: torch.device, rng: dict[str, torch.Tensor]) -> None:
 
 
 def meta(pos: Position, samples_per_batch: int, config: dict[str, Any], door: str, names: list[str],
-         device: torch.device) -> dict[str, Any]:
-    """Everything a checkpoint holds besides the registered objects."""
+         device: torch.device, built: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a checkpoint holds besides the registered objects (built: as_built's record)."""
     return {"format": FORMAT, "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
             "samples_per_batch": samples_per_batch, "config": config, "door": door, "registered": names,
-            "rng": rng_state(device)}
+            "rng": rng_state(device), "hyperparameters": built or {}}
 
 
 def snapshot(objects: Registered, info: dict[str, Any], skip: tuple[str | None, ...] = ()) -> dict[str, Any]:
@@ -220,3 +223,135 @@ def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int
             log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
                         "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
     return batch
+
+
+# ------------------------------------------------------------------ settings changed since the checkpoint
+# A resume loads an optimizer's hyper-parameters and a scheduler's settings from the checkpoint, over those the
+# resuming run built from its own settings or code: a new learning rate, weight decay, momentum or schedule would
+# be dropped in silence. Every checkpoint records what its run built (before anything was loaded); a value this
+# run built differently is a setting the user changed, and it is applied after the load: the base learning rate
+# scales the schedule's current one (the schedule goes on from the new base), anything else takes the new value.
+# A value the run itself moved since (the schedule's learning rate, OneCycle's momentum) is not a setting: built
+# the same, it stays as the checkpoint has it, which keeps the resume exact.
+_HOW = ("params", "fused", "foreach", "differentiable", "capturable")  # how an optimizer computes, not what
+# A scheduler's own progress, and its learning rates (the optimizer's base rate stands for them).
+_PROGRESS = ("base_lrs", "_last_lr", "last_epoch", "_step_count", "_is_initial", "_get_lr_called_within_step",
+             "lr_lambdas", "_schedulers", "verbose")
+_SKIP = object()
+
+
+@dataclass(frozen=True)
+class Changed:
+    """One setting whose value this run built differently from the checkpoint's run."""
+    name: str           # the registered object
+    group: int | None   # the optimizer's parameter group (None: a scheduler's setting)
+    key: str            # lr, weight_decay, betas, step_size, ...
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        where = f"{self.name}" + (f" group {self.group}" if self.group else "")
+        return f"{where} {self.key} {_shown(self.old)} -> {_shown(self.new)}"
+
+
+def _shown(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _plain(value: Any) -> Any:
+    """value as plain data a weights_only checkpoint holds and == compares (a scalar tensor as a float); _SKIP
+    for anything else (a function, a tensor of many elements)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else _SKIP
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _SKIP if any(v is _SKIP for v in items) else type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _plain(v) for k, v in value.items()}
+        return _SKIP if any(v is _SKIP or not isinstance(k, (str, int)) for k, v in items.items()) else items
+    return _SKIP
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+
+
+def as_built(objects: Registered) -> dict[str, Any]:
+    """The registered optimizers' parameter-group hyper-parameters and the LR schedulers' settings, as plain data:
+    call it before a resume loads anything (what this run's settings or code built)."""
+    built: dict[str, Any] = {}
+    for name, obj in objects.objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            built[name] = [{k: p for k, v in group.items() if k not in _HOW and (p := _plain(v)) is not _SKIP}
+                           for group in obj.param_groups]
+        elif _is_scheduler(obj):
+            built[name] = {k: p for k, v in obj.state_dict().items()
+                           if k not in _PROGRESS and (p := _plain(v)) is not _SKIP}
+    return built
+
+
+def _set(group: dict, key: str, value: Any) -> None:
+    if isinstance(group.get(key), torch.Tensor):  # a tensor lr (capturable, fused): in place
+        group[key].fill_(value)
+    else:
+        group[key] = value
+
+
+def apply_changed(objects: Registered, recorded: dict[str, Any] | None, built: dict[str, Any],
+                  live: dict[str, Any]) -> list[Changed]:
+    """After a resume loaded the objects: put back every value this run built differently from the checkpoint's
+    run (`recorded`: the checkpoint's as_built; `built`: this run's; `live`: this run's schedulers' state_dict()
+    values as built, which are set back as they were). Returns what changed. A checkpoint without a record
+    (written before it had one) changes nothing."""
+    changed: list[Changed] = []
+    if not recorded:
+        return changed
+    schedulers = [obj for obj in objects.objects.values() if _is_scheduler(obj)]
+    for name, new_groups in built.items():
+        obj, old = objects.objects[name], recorded.get(name)
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(old, list) and len(old) == len(new_groups):
+            for index, (new, before, group) in enumerate(zip(new_groups, old, obj.param_groups)):
+                base = "initial_lr" if "initial_lr" in new else "lr"  # with a scheduler, lr is the schedule's
+                for key in [base, *(k for k in new if k not in ("lr", "initial_lr"))]:
+                    value = new[key]
+                    if key not in before or before[key] == value:
+                        continue
+                    changed.append(Changed(name, index, "lr" if key == base else key, before[key], value))
+                    if key != base:
+                        _set(group, key, value)
+                        continue
+                    # The new base rate, and the schedule's current rate scaled with it.
+                    now = float(group["lr"])
+                    _set(group, "lr", now * value / before[key] if before[key] else value)
+                    if base == "initial_lr":
+                        group["initial_lr"] = value
+                    for scheduler in schedulers:
+                        if scheduler.optimizer is obj and index < len(scheduler.base_lrs):
+                            scheduler.base_lrs[index] = value
+        elif _is_scheduler(obj) and isinstance(old, dict):
+            for key, value in new_groups.items():
+                if key in old and old[key] != value:
+                    changed.append(Changed(name, None, key, old[key], value))
+                    obj.__dict__[key] = live[name][key]
+    for scheduler in schedulers:
+        _follow_the_schedule(scheduler)
+    return changed
+
+
+def _follow_the_schedule(scheduler) -> None:
+    """A LambdaLR's rate of this step from its lambda: the one this run built, which a changed warm-up, schedule or
+    length makes another than the checkpoint's (unchanged, it is the very value the scheduler's last step set)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            _set(group, "lr", base * schedule(scheduler.last_epoch))
+    scheduler._last_lr = [float(group["lr"]) for group in scheduler.optimizer.param_groups]
+
+
+def live_settings(objects: Registered) -> dict[str, Any]:
+    """The schedulers' state_dict() values as built (copies), to set back where one changed."""
+    import copy
+
+    return {name: copy.deepcopy({k: v for k, v in obj.state_dict().items() if k not in _PROGRESS})
+            for name, obj in objects.objects.items() if _is_scheduler(obj)}

@@ -64,3 +64,17 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_st
     warmup = warmup_length(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.lr_schedule))
+
+
+# The settings build_optimizer and build_scheduler read: a resume that loads the checkpoint's optimizer and scheduler
+# state would override a new value of any of them (trainer.checkpoint.state.apply_changed puts them back).
+SCHEDULE_SETTINGS = ("lr", "momentum", "weight_decay", "lr_schedule", "warmup_steps")
+
+
+def changed_settings(cfg: TrainConfig, saved: dict | None) -> list[tuple[str, object, object]]:
+    """(setting, the checkpoint's value, this run's) for each of SCHEDULE_SETTINGS that differs."""
+    if not saved:
+        return []
+    current = cfg.as_dict()
+    return [(name, saved[name], current[name]) for name in SCHEDULE_SETTINGS
+            if name in saved and saved[name] != current[name]]

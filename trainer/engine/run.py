@@ -294,11 +294,13 @@ class Run:
         """Register what every checkpoint holds (anything with state_dict()/load_state_dict(): model, optimizer,
         scheduler, ...) and load it from the newest valid checkpoint; the steps already done. The output
         directories are made and taken for this run here."""
+        point = self.resume_point
         with self._once():
             if self.settings.amp == "fp16" and "scaler" not in objects and self.scaler.is_enabled():
                 objects["scaler"] = self.scaler
             self._check_order(objects)
             registered = self.checkpointer.register(objects, "resume()")
+            self._check_changed_settings(point)
         with exit_on_usage_error():
             self.checkpointer.prepare(self.settings.log_dir)
             self._optimizers = list(registered.optimizers.values())
@@ -307,12 +309,39 @@ class Run:
             self.position = position
             self.resumed_from = position.step
             self._resize_position()
+            self._say_changed_settings(point)
         self.observers.start(self.position.step, resumed=position is not None)
         if self._local_sgd is not None:
             self._local_sgd.optimizer = self._optimizers[0] if self._optimizers else None
             self._local_sgd.step = self.position.step
             self.checkpointer.before_commit.append(self._local_sgd.synchronise)
         return self.position.step
+
+    def _check_changed_settings(self, point: ResumePoint | None) -> None:
+        """The built-in loop's checkpoints before the record of what their run built cannot take a changed learning
+        rate, weight decay, momentum, schedule or warm-up: refused in one line, not ignored."""
+        from trainer.engine.optim import changed_settings
+
+        if self.door != BUILT_IN or point is None or point.records_built or point.door != BUILT_IN:
+            return
+        for name, old, new in changed_settings(self.settings, point.config):
+            raise UsageError(flag_name(name), f"{new} on resume, and {point.path} (written before a resume could "
+                             f"apply a changed setting) was trained with {old}",
+                             f"resume with {flag_name(name)} {old} until it commits a checkpoint, then change it; "
+                             "or start afresh in another --checkpoint-dir")
+
+    def _say_changed_settings(self, point: ResumePoint) -> None:
+        """One line naming the settings a resume applied over the checkpoint's (rank 0)."""
+        from trainer.engine.optim import changed_settings
+
+        if self.door == BUILT_IN and point.door == BUILT_IN:
+            changes = [f"{flag_name(name)} {old} -> {new}" for name, old, new in
+                       changed_settings(self.settings, point.config)]
+        else:
+            changes = [str(change) for change in self.checkpointer.changed]
+        if changes:
+            log.info("settings changed since %s, applied: %s (the schedule goes on from step %d with them)",
+                     point.path.name, ", ".join(changes), self.position.step)
 
     def _check_order(self, objects: dict[str, Any]) -> None:
         import torch
