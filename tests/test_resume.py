@@ -97,14 +97,43 @@ def test_checkpoint_of_another_model_is_refused(uninterrupted, tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_resume_never_refuses_a_folder_holding_another_runs_checkpoints(uninterrupted, tmp_path):
-    # Rotation keeps the highest steps, so a fresh run there would delete its own checkpoints first.
+def test_resume_never_sets_another_runs_checkpoints_aside_and_starts_afresh(uninterrupted, tmp_path):
+    """A fresh run in a folder holding another run's checkpoints sets them aside (rotation keeps the highest steps,
+    so it would otherwise delete its own first, and --resume auto would go back to them): one line, nothing lost."""
     shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
-    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "2",
-                          "--resume", "never", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
-    assert "another run" in assert_usage_error(result, "--resume")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").glob("step-*")}
+    result = train_ok(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "2",
+                       "--resume", "never", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+    aside, = (tmp_path / "checkpoints").glob("abandoned-after-step-00000000-*")
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    said = [line for line in result.stderr.splitlines() if "set aside" in line]
+    assert len(said) == 1 and f"--resume never starts afresh: the {len(before)} checkpoint(s) above it" in said[0] \
+        and aside.name in said[0], result.stderr[-3000:]
+    assert checkpoint_steps(tmp_path / "checkpoints") == [2]
+    assert read_summary(tmp_path / "runs")["resumed_from_step"] is None
+
+
+def test_resume_auto_after_a_rollback_follows_the_rollback_not_the_abandoned_future(tmp_path):
+    """A run rolled back to step 20 (--resume step-20.pt) and ended at 25; a later --resume auto goes on from 25,
+    not from the abandoned run's 40, which the rollback set aside with one line (nothing deleted). The rollback's
+    line is exact: from 20 to 40 through 25 it ends on the abandoned line's very weights at 40."""
+    run = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epochs", "3", "--val-every", "0",
+           "--checkpoint-every", "10", "--num-workers", "0", "--lr-schedule", "constant", "--warmup-steps", "0",
+           *dirs_args(tmp_path)]  # a schedule that --max-steps does not stretch: the lines can end alike
+    checkpoints = tmp_path / "checkpoints"
+    train_ok([*run, "--max-steps", "40", "--keep-checkpoints", "10"], tmp_path)
+    abandoned = {p.name: p.read_bytes() for p in checkpoints.glob("step-*") if int(p.stem.split("-")[1]) > 20}
+    assert sorted(abandoned) == ["step-00000030.pt", "step-00000032.pt", "step-00000040.pt"]
+    rollback = train_ok([*run, "--max-steps", "25", "--resume", str(checkpoints / "step-00000020.pt")], tmp_path)
+    aside, = checkpoints.glob("abandoned-after-step-00000020-*")
+    said = [line for line in rollback.stderr.splitlines() if "set aside" in line]
+    assert len(said) == 1 and "goes back to step 20: the 3 checkpoint(s) above it" in said[0], rollback.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == abandoned
+    assert checkpoint_steps(checkpoints) == [16, 20, 25]  # the rotation kept the rollback's own
+    later = train_ok([*run, "--max-steps", "40"], tmp_path)  # --resume auto
+    assert f"resuming from {checkpoints}/step-00000025.pt" in later.stderr, later.stderr[-3000:]
+    assert read_summary(tmp_path / "runs")["resumed_from_step"] == 25
+    assert_same_params(final_params(checkpoints), load_checkpoint(aside / "step-00000040.pt")["model"])
 
 
 def test_resume_never_starts_fresh(tmp_path):

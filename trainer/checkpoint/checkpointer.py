@@ -32,6 +32,7 @@ from trainer.checkpoint.store import (
     save_sharded,
     save_sharded_in_background,
     sees_marker,
+    set_aside_after,
 )
 from trainer.config.settings import ELASTIC_WORLD_ENV
 from trainer.core.errors import Diverged, EchoedUsageError, UsageError
@@ -131,12 +132,29 @@ class Checkpointer:
                 self._check_room()
             try:
                 self._claimed.append(claim(self.directory))
+                self._set_aside_abandoned()
             except UsageError as err:
                 raise UsageError(self.labels.checkpoint_dir, *err.parts[1:]) from None
 
         collectives.on_main_then_share(self.ctx, prepare)
         if os.environ.get(ELASTIC_WORLD_ENV) and self.ctx.world_size > self.ctx.topology.local_world_size:
             self._check_shared()
+
+    def _set_aside_abandoned(self) -> None:
+        """This run continues the line of the checkpoint it resumes (or starts one, at step 0): the committed
+        checkpoints above it are another future of that line, which this run abandons. They are set aside with one
+        line (rank 0, holding the directory), so that --resume auto follows this run and the rotation keeps its
+        checkpoints; nothing is deleted."""
+        step = self._found[0]["global_step"] if self._found is not None else 0
+        aside = set_aside_after(self.directory, step)
+        if aside is None:
+            return
+        folder, names = aside
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        what = (f"{self.labels.resume} {self._found[1]} goes back to step {step}" if self._found is not None else
+                f"{self.labels.resume} never starts afresh")
+        log.warning("%s: the %d checkpoint(s) above it in %s (%s) are set aside in %s, nothing deleted (move them "
+                    "back to resume one)", what, len(names), self.directory, shown, folder.name)
 
     def _check_shared(self) -> None:
         """An elastic job's rank 0 may be on another host after each change, and resumes from what it finds there:

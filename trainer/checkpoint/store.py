@@ -2,6 +2,9 @@
 
 Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
 At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
+A run's checkpoints form one line: a run resumed from step S (or started afresh, at 0) continues from there, and the
+committed checkpoints above S, the future it abandons, are set aside in a folder of their own (nothing is deleted),
+so that `--resume auto` follows the newest run's line and the rotation keeps that run's checkpoints.
 Under --strategy fsdp a checkpoint is a directory of shards, committed by its marker (trainer.checkpoint.sharded);
 both kinds share the names, the rotation and the resume rules, and either strategy resumes either kind.
 """
@@ -26,7 +29,7 @@ import torch
 
 from trainer.checkpoint.state import FORMAT
 from trainer.core.errors import UsageError, first_line, os_reason
-from trainer.core.files import TEMP_PREFIX, atomic_file
+from trainer.core.files import TEMP_PREFIX, atomic_file, fsync_dir
 from trainer.parallel.context import DistContext
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,34 @@ def list_checkpoints(directory: Path) -> list[Path]:
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))
              and (m.group(2) or (p / COMMIT_MARKER).is_file())]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def step_of(path: Path) -> int:
+    return int(NAME.match(path.name).group(1))
+
+
+ABANDONED = "abandoned-after-step-"  # a folder of checkpoints set aside: no step-* name, so never resumed or rotated
+
+
+def set_aside_after(directory: Path, step: int) -> tuple[Path, list[str]] | None:
+    """Move the committed checkpoints above `step` into a new folder of `directory` (a run that resumes from `step`,
+    or starts afresh at 0, abandons them: `--resume auto` would go back to them, and the rotation, which keeps the
+    highest steps, would delete this run's own checkpoints first). (The folder, the names moved), or None."""
+    later = sorted((p for p in list_checkpoints(directory) if step_of(p) > step), key=step_of)
+    if not later:
+        return None
+    folder = directory / f"{ABANDONED}{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    try:
+        if folder.exists():  # the same second: another start that set aside another line
+            folder = folder.with_name(f"{folder.name}-{os.getpid()}")
+        folder.mkdir()
+        for path in later:
+            path.rename(folder / path.name)
+        fsync_dir(directory)
+    except OSError as err:
+        raise UsageError("--checkpoint-dir", f"cannot set aside the checkpoints above step {step} in {directory} "
+                         f"({os_reason(err)})", "make the checkpoint directory writable, or move them away") from None
+    return folder, [path.name for path in later]
 
 
 def _remove(path: Path) -> None:

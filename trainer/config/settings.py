@@ -111,7 +111,9 @@ class TrainConfig:
                                     "state to CPU memory and a thread writes it while training goes on (fsdp: every "
                                     "rank copies its shard, DCP's async_save writes them); one write at a time, a "
                                     "stop and the end wait for it")
-    resume: str = option("auto", "auto (newest valid checkpoint), never, or a checkpoint path")
+    resume: str = option("auto", "auto (the newest valid checkpoint), never (start afresh), or a checkpoint path; "
+                         "checkpoints in --checkpoint-dir above the step a run starts from are set aside in a folder "
+                         "there, not deleted")
     # Distributed.
     seed: int = option(0, "random seed (the same on every rank)")
     backend: str = option("auto", "process-group backend; auto: nccl with a GPU, else gloo", ("auto", "nccl", "gloo"))
@@ -434,11 +436,6 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
                          "give a checkpoint (a step-* file or directory), auto or never")
-    if cfg.resume == "never" and any(Path(cfg.checkpoint_dir).glob("step-*")):
-        # Rotation keeps the highest steps: a fresh run there would lose its own checkpoints first.
-        raise UsageError(setting("resume"), f"never, but {cfg.checkpoint_dir} holds another run's checkpoints",
-                         "use an empty --checkpoint-dir, move the old checkpoints away, or --resume auto, "
-                         "which a run restarted after a failure needs")
     if cfg.loader == "memory" and not catalog.in_memory(cfg.dataset):
         raise UsageError(setting("loader"), f"{cfg.dataset} is read sample by sample, not held in memory",
                          "use --loader dataloader or auto")
