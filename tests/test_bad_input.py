@@ -69,6 +69,15 @@ def image_class_folder(cwd: Path) -> None:
     (cwd / "images" / "train" / "cat").mkdir(parents=True)
 
 
+def empty_class_folder(cwd: Path) -> None:
+    """An image folder whose class `dog` holds no image (a README does not count), in val/ too."""
+    for split in ("train", "val"):
+        (cwd / "images" / split / "cat").mkdir(parents=True)
+        (cwd / "images" / split / "cat" / "0.jpg").write_bytes(b"\xff\xd8")
+        (cwd / "images" / split / "dog").mkdir()
+    (cwd / "images" / "train" / "dog" / "README").write_text("the dogs are coming\n")
+
+
 def blocking_file(cwd: Path) -> None:
     (cwd / "not-a-dir").write_text("a file where a directory should be\n")
 
@@ -120,6 +129,11 @@ TABLE = {
     "sync-bn without GPUs": launcher("--sync-bn", "--sync-bn"),
     "missing resume checkpoint": launcher("--resume", "--resume", "checkpoints/step-00000099.pt"),
     "imagefolder without a data dir": launcher("--data-dir", "--dataset", "imagefolder", "--data-dir", "nowhere"),
+    "imagefolder with an empty class folder": BadInput(LAUNCH, "--data-dir", ("--dataset", "imagefolder", "--data-dir",
+                                                                             "images"), env={"PREFLIGHT": "0"},
+                                                       files=empty_class_folder),
+    "max bad files neither a count nor a fraction": launcher("--max-bad-files", "--max-bad-files", "some"),
+    "max bad files a fraction above 1": launcher("--max-bad-files", "--max-bad-files", "1.5"),
     "imagefolder through the memory path": BadInput(LAUNCH, "--loader", ("--dataset", "imagefolder", "--data-dir",
                                                                         "images", "--loader", "memory"),
                                                     env={"PREFLIGHT": "0"}, files=image_class_folder),

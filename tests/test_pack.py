@@ -85,16 +85,19 @@ def test_trainer_trains_from_a_pack_on_two_processes(packed, tmp_path):
 
 
 def test_an_interrupted_pack_continues_to_the_same_files(packed, tmp_path):
-    """A bad file stops the pack (one line naming it); once it is replaced, the same command continues from
-    the images already packed, also after a crash left half an image in the partial file, and the pack is
-    byte for byte the one made in one go."""
+    """A bad file beyond --max-bad-files stops the pack (one line naming it); once it is replaced, the same command
+    continues from the images already packed, also after a crash left half an image in the partial file, and the
+    pack is byte for byte the one made in one go."""
     folder = tmp_path / "folder"
     victim = folder / "train" / "eel" / "2.jpg"
     good = victim.read_bytes()
     victim.write_text("not an image\n")
-    first = trainer_pack(str(folder), str(tmp_path / "again"), "--max-side", "64", "--no-progress", cwd=tmp_path)
-    line = assert_usage_error(first, "SRC")
-    assert f"cannot read the image {victim} (not an image PIL can decode)" in line and "run the same command" in line
+    first = trainer_pack(str(folder), str(tmp_path / "again"), "--max-side", "64", "--no-progress",
+                         "--max-bad-files", "0", cwd=tmp_path)
+    assert first.returncode == 2 and "Traceback" not in first.stderr, first.stderr
+    line = first.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --max-bad-files: 1 file(s) of train/ do not decode, more than the 0 it allows; "
+                           f"the last: {victim} (not an image PIL can decode)") and "run the same command" in line
     assert not (tmp_path / "again" / "pack.json").exists()
     partial = tmp_path / "again" / "train.pixels.partial"
     records = (tmp_path / "again" / "train.index.partial").stat().st_size // 32
@@ -107,6 +110,37 @@ def test_an_interrupted_pack_continues_to_the_same_files(packed, tmp_path):
     for name in ("train.pixels", "train.index", "val.pixels", "val.index"):
         assert (tmp_path / "again" / name).read_bytes() == (packed / name).read_bytes(), name
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == sorted(p.name for p in packed.iterdir())
+
+
+def test_a_file_that_does_not_decode_is_packed_as_a_placeholder_and_trained_on_as_one(packed, tmp_path):
+    """Within --max-bad-files (default 0.1% of a split, at least 1), a file that does not decode is packed as a
+    black placeholder with one warning and named in pack.json; training from the pack names it and counts it as an
+    image folder does the file itself."""
+    folder = tmp_path / "folder"
+    victim = folder / "train" / "dog" / "4.jpg"
+    victim.write_bytes(victim.read_bytes()[:200])
+    done = trainer_pack(str(folder), str(tmp_path / "with-bad"), "--max-side", "64", "--no-progress", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "does not decode" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: {victim} does not decode (") and \
+        warned[0].endswith("packed as a black placeholder"), done.stderr
+    assert "1 file(s) did not decode: black placeholders, named in pack.json" in done.stdout
+    header = json.loads((tmp_path / "with-bad" / "pack.json").read_text())
+    (index, (path, _)), = header["bad_files"]["train"].items()
+    assert (int(index), path) == (10, str(victim))  # dog's fifth image in ImageFolder's order
+    cfg = load_config(["--env-file", os.devnull, "--dataset", "packed", "--data-dir", str(tmp_path / "with-bad"),
+                       "--image-size", "32", "--num-workers", "0", "--batch-size", "18"], {}, 1)
+    train, _, spec = build_datasets(cfg, context())
+    batches = Batches(train, spec, cfg, context(), True)
+    (images, labels), = list(batches.epoch(0))
+    at = batches._shard(0).index(10)
+    black = (torch.zeros(1, 3, 32, 32) * batches.scale - batches.shift)[0]
+    assert torch.equal(images[at], black) and labels[at] == 1
+    assert list(batches.bad_files.named) == [str(victim)] and batches.bad_files.this_epoch == 1
+    run = train_ok(["--model", "cnn", "--dataset", "packed", "--data-dir", str(tmp_path / "with-bad"), "--image-size",
+                    "32", "--batch-size", "3", "--epochs", "2", *dirs_args(tmp_path / "run")], tmp_path)
+    assert sum(f"{victim} does not decode" in line for line in run.stderr.splitlines()) == 1, run.stderr[-3000:]
+    assert read_summary(tmp_path / "run" / "runs")["bad_files"] == 1
 
 
 def test_packing_into_a_finished_pack_is_refused(packed, tmp_path):

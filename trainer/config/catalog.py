@@ -28,6 +28,7 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trainer.core.errors import UsageError, UserCodeError
@@ -162,6 +163,24 @@ DATASETS: dict[str, DatasetEntry] = {
     "packed": DatasetEntry("an image folder packed by trainer-pack (--data-dir; --image-size, --augment)", False, 3,
                            None, None),
 }
+
+
+# torchvision.datasets.folder.IMG_EXTENSIONS: the files ImageFolder takes, here so that the option check reads the
+# folders before torchvision is imported (seconds later); tests/test_data.py pins the copy to torchvision's.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def class_folders(split: Path) -> tuple[list[str], list[str]]:
+    """(the class folders of an image folder's split, those holding no file ImageFolder takes at any depth): what
+    ImageFolder would refuse, found by looking for one image per class, not by listing them all."""
+    classes = sorted(entry.name for entry in os.scandir(split) if entry.is_dir())
+    empty = []
+    for name in classes:
+        found = any(f.lower().endswith(IMAGE_EXTENSIONS) for _, _, files in os.walk(split / name, followlinks=True)
+                    for f in files)
+        if not found:
+            empty.append(name)
+    return classes, empty
 
 
 def in_memory(name: str) -> bool:

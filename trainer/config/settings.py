@@ -91,6 +91,10 @@ class TrainConfig:
     decode_gpu_share: float = option(1.0, "--decode gpu: the share of each batch's JPEGs nvJPEG decodes (0 to 1, "
                                      "as DALI's hw_decoder_load); the rest, chosen by sample, are decoded by the "
                                      "loader's workers on the CPU path, so the two decoders add up")
+    max_bad_files: str = option("0.001", "imagefolder and packed: image files that do not decode (truncated, not an "
+                                "image) are skipped, each with one warning and a black image of its label in its "
+                                "place, the same every time; the run stops once an epoch meets more than this many: "
+                                "a count (10), or a fraction of the epoch's files (0.001: 0.1%, at least 1)")
     # Observability.
     val_every: int = option(1, "validate every N epochs (0: never)")
     log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
@@ -355,6 +359,22 @@ def profile_rank_list(text: str, world_size: int, setting: str = "--profile-rank
     return ranks
 
 
+def bad_file_bound(text: str, epoch_files: int, setting: str = "--max-bad-files") -> int:
+    """--max-bad-files as a number of files an epoch of `epoch_files` may skip: a count (10), or a fraction (0.001)
+    of the epoch, at least 1 file (a fraction of a file would make any one bad file end the run)."""
+    raw = text.strip()
+    if raw.isdigit():
+        return int(raw)
+    try:
+        fraction = float(raw)
+    except ValueError:
+        fraction = math.nan
+    if not 0 <= fraction <= 1:  # NaN too
+        raise UsageError(setting, f"'{text}' is neither a count of files (10) nor a fraction of the epoch (0.001)",
+                         "give a whole number of files, or a fraction from 0 to 1")
+    return max(1, math.ceil(fraction * epoch_files)) if fraction else 0
+
+
 def _check_observability(cfg: TrainConfig, world_size: int, setting) -> None:
     tracker_names(cfg.tracker, setting("tracker"))
     window = profile_window(cfg.profile_steps, setting("profile_steps"))
@@ -385,6 +405,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
         if not getattr(cfg, name).strip():
             raise UsageError(setting(name), "is empty", "give a directory path")
     _check_observability(cfg, world_size, setting)
+    bad_file_bound(cfg.max_bad_files, 0, setting("max_bad_files"))
     catalog.check_model_name(cfg.model, setting("model"))
     catalog.check_dataset_name(cfg.dataset, setting("dataset"))
     if cfg.dataset == "synthetic":
@@ -428,6 +449,18 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
         if not has_class_folders:
             raise UsageError(setting("data_dir"), f"{train_dir} has no class folders",
                              f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
+        for split in (train_dir, Path(cfg.data_dir) / "val"):
+            if not split.is_dir():
+                continue
+            try:  # the other half: a class folder without an image, which ImageFolder refuses in every worker
+                _, empty = catalog.class_folders(split)
+            except OSError as err:
+                raise UsageError(setting("data_dir"), f"cannot list {split} ({err.strerror})",
+                                 "make the data folder readable by the trainer's user") from None
+            if empty:
+                raise UsageError(setting("data_dir"), f"{len(empty)} class folder(s) of {split} hold no image: "
+                                 f"{', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}",
+                                 f"put images in them ({', '.join(catalog.IMAGE_EXTENSIONS)}) or remove them")
     if cfg.dataset == "packed" and not (Path(cfg.data_dir) / "pack.json").is_file():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' holds no pack.json for --dataset packed",
                          f"pack an image folder into it first: trainer-pack SRC {cfg.data_dir}")

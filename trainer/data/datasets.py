@@ -12,6 +12,7 @@ Input paths:
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 import socket
@@ -24,10 +25,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainer.config import catalog
 from trainer.config.catalog import DataSpec
-from trainer.config.settings import TrainConfig
+from trainer.config.settings import TrainConfig, bad_file_bound
 from trainer.core.errors import EchoedUsageError, UsageError, first_line
-from trainer.data.images import (ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_keys, seeded,
-                                 synthetic_spec)
+from trainer.data.images import (BadFiles, ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_keys, seeded,
+                                 synthetic_spec, take_undecoded)
 from trainer.data.sampling import batch_range, epoch_shard
 from trainer.parallel.collectives import local_main_first
 from trainer.parallel.compat import private
@@ -320,6 +321,8 @@ class Batches:
         in_memory = isinstance(data, InMemoryImages)
         use_memory = in_memory and cfg.loader != "dataloader"  # config refuses memory for on-disk data
         self.size = len(data)
+        # Files that do not decode (image folders, packs): named and counted; an epoch's bounded (training).
+        self.bad_files = BadFiles(bad_file_bound(cfg.max_bad_files, self.size) if train else None)
         self.memory = data if use_memory else None
         if self.memory is not None:
             self.memory = InMemoryImages(data.images.to(self.device), data.labels.to(self.device))
@@ -354,6 +357,7 @@ class Batches:
         their count (run.steps() knows the epoch's last step by it)."""
         stop_batch = self.num_batches if stop_batch is None else stop_batch
         indices = batch_range(self._shard(epoch), self.batch_size, start_batch, stop_batch)
+        self.bad_files.start_epoch()
         return Sized(self._batches(epoch, indices), -(-len(indices) // self.batch_size))
 
     def _batches(self, epoch: int, indices: list[int]) -> Iterator:
@@ -364,8 +368,19 @@ class Batches:
                 yield self._prepare(self.memory.images[idx], self.memory.labels[idx], idx, epoch)
             return
         self.order.indices, self.order.epoch = indices, epoch
+        handed = collections.deque()  # a dataset's own batches (FileBatch) name their bad files; stage() reads ahead
+
+        def from_loader():
+            for batch in self.loader:
+                handed.append(getattr(batch, "bad", None))
+                yield batch
+
         try:
-            for batch_number, (images, labels) in enumerate(self.stage(self.loader, self.device)):
+            for batch_number, batch in enumerate(self.stage(from_loader(), self.device)):
+                images, labels = batch[0], batch[1]
+                named = handed.popleft() if handed else None
+                self.bad_files.note(batch[2] if len(batch) > 2 else named or ())
+                self.bad_files.note(take_undecoded())
                 first = batch_number * self.batch_size
                 idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
                 # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps

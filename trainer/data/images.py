@@ -1,14 +1,20 @@
 """What every image path shares: the per-sample random keys, the torchvision reference transforms, the image
-folder keyed by (index, epoch), and the error for a file that is no image.
+folder keyed by (index, epoch), and what becomes of a file that is no image.
 
 Every random choice of augmentation is a pure function of (seed, epoch, sample index), so a sample looks the
-same whichever rank, world size or input path reads it."""
+same whichever rank, world size or input path reads it.
+
+A file that does not decode (truncated, not an image, unreadable) does not end the run: every path gives a black
+image of the file's label in its place, the same every time (so a resumed run sees what the uninterrupted one
+saw), and says which file in the sample's third item ("" for a good one). The training process names each such
+file once (BadFiles) and counts them; --max-bad-files bounds an epoch's, over every rank (trainer.engine.run)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils.data import Dataset
@@ -16,7 +22,9 @@ from torch.utils.data import Dataset
 from trainer.config import catalog
 from trainer.config.catalog import DataSpec
 from trainer.config.settings import LIGHT_AUGMENT_BELOW
-from trainer.core.errors import UsageError, first_line
+from trainer.core.errors import EchoedUsageError, UsageError, first_line
+
+log = logging.getLogger(__name__)
 
 
 def sample_keys(indices: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
@@ -49,9 +57,70 @@ class UnreadableImage(Exception):
     """A file in the image folder that cannot be decoded. From a DataLoader worker it comes back with the
     worker's traceback as its message, whose last line is the original one."""
 
+    def __init__(self, message: str, path: str = "", reason: str = ""):
+        super().__init__(message)
+        self.path, self.reason = path, reason
+
+    @classmethod
+    def of(cls, path: str, reason: str) -> "UnreadableImage":
+        return cls(f"{path} ({reason})", path, reason)
+
     @property
     def what(self) -> str:
         return str(self).strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1]
+
+    @property
+    def entry(self) -> str:
+        """The sample's third item: the file and why, for the training process to name and count."""
+        return f"{self.path}\0{self.reason}"
+
+
+def replacement(side: int) -> torch.Tensor:
+    """What a file that does not decode shows: a black image (uint8 3 x side x side), the same every time."""
+    return torch.zeros(3, side, side, dtype=torch.uint8)
+
+
+# Files the training process itself failed to decode (the GPU path's CPU decode of a file nvJPEG refused, on its
+# decoding thread): the batches' reader takes them with the batch's own (Batches).
+UNDECODED_HERE: list[str] = []
+
+
+def take_undecoded() -> list[str]:
+    """UNDECODED_HERE's entries, taken out (one added meanwhile by the decoding thread stays for the next call)."""
+    taken = UNDECODED_HERE[:]
+    del UNDECODED_HERE[:len(taken)]
+    return taken
+
+
+class BadFiles:
+    """The files of one split that did not decode, as this rank's batches named them: one warning per file, the
+    count of this epoch (what --max-bad-files bounds, summed over the ranks at each log step), and the files."""
+
+    def __init__(self, bound: int | None):
+        self.bound = bound  # files an epoch may skip over every rank; None: no bound (validation)
+        self.named: dict[str, str] = {}  # path -> why, on this rank
+        self.this_epoch = 0
+
+    def start_epoch(self) -> None:
+        self.this_epoch = 0
+
+    def note(self, entries: Iterable[str]) -> None:
+        for entry in entries:
+            if not entry:
+                continue
+            self.this_epoch += 1
+            path, _, why = entry.partition("\0")
+            if path not in self.named:
+                self.named[path] = why
+                log.warning("%s does not decode (%s): skipped, a black image of its label in its place (the same "
+                            "every epoch; --max-bad-files bounds how many an epoch may skip)", path, why)
+
+    def too_many(self, count: int, is_main: bool) -> UsageError:
+        """The one line of the run's stop, on every rank (the first of each host prints it)."""
+        error = UsageError if is_main else EchoedUsageError
+        return error("--max-bad-files", f"{count} image files of this epoch do not decode, more than the "
+                     f"{self.bound} it allows", "repair or remove them (trainer-doctor --data DIR lists them all), "
+                     "or raise --max-bad-files")
 
 
 @contextlib.contextmanager
@@ -106,6 +175,6 @@ class ImageFolderWithKeys(Dataset):
             from PIL import UnidentifiedImageError
 
             reason = "not an image PIL can decode" if isinstance(err, UnidentifiedImageError) else first_line(err)
-            raise UnreadableImage(f"{path} ({reason})") from None
+            return replacement(self.side), label, UnreadableImage.of(path, reason).entry
         with seeded(index, epoch, self.seed):
-            return self.transform(image), label
+            return self.transform(image), label, ""

@@ -25,6 +25,8 @@ each batch's samples (chosen by their keys, so a resumed run decodes the same on
 loader's workers on the CPU path, as DALI's hw_decoder_load does: the two decoders then add up. Files
 nvJPEG cannot take (PNG, CMYK, progressive or damaged JPEGs) are viewed by the CPU path in the worker
 instead, with one warning per run.
+
+A file no path decodes gives a black view of its label instead (trainer.data.images: BadFiles names and counts it).
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ import queue
 import random
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from trainer.core.errors import first_line
-from trainer.data.images import ImageFolderWithKeys, UnreadableImage, sample_key
+from trainer.data.images import UNDECODED_HERE, ImageFolderWithKeys, UnreadableImage, replacement, sample_key
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +187,7 @@ def unreadable(path: str, err: BaseException, data: bytes | None = None) -> Unre
         reason = "not an image PIL can decode"
     else:
         reason = first_line(err)
-    return UnreadableImage(f"{path} ({reason})")
+    return UnreadableImage.of(path, reason)
 
 
 def read_view(path: str, key: int, side: int, train: bool, augment: str) -> torch.Tensor:
@@ -227,7 +229,10 @@ class FastImageFolder(ImageFolderWithKeys):
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
         path, label = self.folder.samples[index]
-        return read_view(path, sample_key(index, epoch, self.seed), self.side, self.train, self.augment), label
+        try:
+            return read_view(path, sample_key(index, epoch, self.seed), self.side, self.train, self.augment), label, ""
+        except UnreadableImage as err:
+            return replacement(self.side), label, err.entry
 
 
 # ----------------------------------------------------------------------------------- the GPU path
@@ -276,6 +281,7 @@ class FileBatch:
     labels: torch.Tensor
     paths: list[str]              # of the encoded ones, to name a file nvJPEG refuses
     fallback: str                 # the first file of the batch that took the CPU path ("" if none)
+    bad: list[str] = field(default_factory=list)  # per sample: a file no path decoded (images.BadFiles), or ""
 
     @property
     def encoded(self) -> list[torch.Tensor]:
@@ -304,18 +310,20 @@ class GpuImageFolder(ImageFolderWithKeys):
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
         path, label = self.folder.samples[index]
+        sample = sample_key(index, epoch, self.seed)
         try:
             data = Path(path).read_bytes()
-        except OSError as err:
-            raise unreadable(path, err) from None
-        sample = sample_key(index, epoch, self.seed)
-        geometry = jpeg_geometry(data)
-        if not decoded_on_gpu(sample, self.gpu_share):
-            return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, ""
-        if nvjpeg_can_decode(geometry):
-            plan = view_plan(sample, geometry[0], geometry[1], self.side, self.train, self.augment)
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), plan, label, path
-        return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, path
+            geometry = jpeg_geometry(data)
+            if not decoded_on_gpu(sample, self.gpu_share):
+                return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, "", ""
+            if nvjpeg_can_decode(geometry):
+                plan = view_plan(sample, geometry[0], geometry[1], self.side, self.train, self.augment)
+                return torch.frombuffer(bytearray(data), dtype=torch.uint8), plan, label, path, ""
+            return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, path, ""
+        except OSError as err:  # no fallback to name: BadFiles names the file
+            return replacement(self.side), None, label, "", unreadable(path, err).entry
+        except UnreadableImage as err:
+            return replacement(self.side), None, label, "", err.entry
 
     def collate(self, samples: list) -> FileBatch:
         gpu = [i for i, s in enumerate(samples) if s[1] is not None]
@@ -329,7 +337,8 @@ class GpuImageFolder(ImageFolderWithKeys):
             torch.stack([samples[i][0] for i in cpu]) if cpu else torch.empty(0, 3, self.side, self.side,
                                                                               dtype=torch.uint8),
             torch.tensor(cpu, dtype=torch.long), torch.tensor([s[2] for s in samples], dtype=torch.long),
-            [samples[i][3] for i in gpu], next((samples[i][3] for i in cpu if samples[i][3]), ""))
+            [samples[i][3] for i in gpu], next((samples[i][3] for i in cpu if samples[i][3]), ""),
+            [s[4] for s in samples])
 
     # The device's decode is on trial for its first batches: a failure there (a torchvision without nvJPEG,
     # a driver error) moves the run to decoding on the CPU, with one warning, a slower run instead of a lost
@@ -552,10 +561,12 @@ def decode_jpegs(encoded: list[torch.Tensor], paths: list[str], device: torch.de
 
 
 def decode_on_cpu(data: bytes, path: str) -> torch.Tensor:
-    """The whole image, uint8 3 x H x W, by PIL."""
+    """The whole image, uint8 3 x H x W, by PIL; a file PIL cannot decode either is a black pixel (any view of it
+    is black), named in images.UNDECODED_HERE for the batches' reader."""
     from PIL import Image
 
     try:
         return pil_tensor(pil_rgb(Image.open(io.BytesIO(data)), path))
     except (OSError, SyntaxError, ValueError) as err:
-        raise unreadable(path, err, data) from None
+        UNDECODED_HERE.append(unreadable(path, err, data).entry)
+        return replacement(1)

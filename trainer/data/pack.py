@@ -6,6 +6,11 @@ record (offset, height, width, label) per image in ImageFolder's order; `pack.js
 version, the classes and each file's size. Training memory-maps both: a sample is a slice of the
 pixels, its view (jpeg.view_plan: the same crops, flips and keys as an image folder) one resize.
 
+A source file that does not decode (truncated, not an image) is packed as a black 1 x 1 placeholder with its label,
+one warning each, and named in pack.json (`bad_files`: per split, index -> [path, why]); training treats it as
+an image folder treats the file itself (a black view, counted against --max-bad-files). More than --max-bad-files
+of a split stop the pack (one line; fix the files, and the same command continues).
+
 Written so that an interrupted pack loses nothing: the files grow as `<name>.partial` beside a
 `pack-progress.json` (the source, the settings, the files done); a second run with the same SRC and
 settings continues from the last whole image, and `pack.json` is renamed into place last, so a folder
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config.settings import bad_file_bound
 from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 from trainer.core.files import fsync_file, write_json_atomic
 
@@ -77,12 +83,12 @@ def _shrink_job(job: tuple[str, int]):
     from trainer.data.images import UnreadableImage
 
     try:
-        return shrink(*job), ""
-    except UnreadableImage as err:  # named in the parent, which stops the pack there
-        return None, err.what
+        return shrink(*job), None
+    except UnreadableImage as err:  # named and counted in the parent
+        return None, (err.path, err.reason)
 
 
-def pack(src: Path, dst: Path, max_side: int, workers: int, progress: bool = True) -> dict:
+def pack(src: Path, dst: Path, max_side: int, workers: int, progress: bool = True, max_bad: str = "0.001") -> dict:
     """Pack src into dst (see the module's docstring); returns pack.json's content."""
     from tqdm import tqdm
 
@@ -101,6 +107,7 @@ def pack(src: Path, dst: Path, max_side: int, workers: int, progress: bool = Tru
             (dst / name).unlink(missing_ok=True)
         state = {"settings": settings, "done": []}
         write_json_atomic(state_file, state, indent=1)
+    state.setdefault("bad_files", {})
     total = sum(settings["images"].values())
     done_before = sum(settings["images"][s] for s in state["done"])
     splits = {}
@@ -108,19 +115,25 @@ def pack(src: Path, dst: Path, max_side: int, workers: int, progress: bool = Tru
               file=sys.stderr) as bar:
         for split, folder in listing.items():
             if split not in state["done"]:
-                _pack_split(folder.samples, dst, split, max_side, workers, bar)
+                bound = bad_file_bound(max_bad, len(folder.samples))
+                _pack_split(folder.samples, dst, split, max_side, workers, bar, state, state_file, bound)
                 state["done"].append(split)
                 write_json_atomic(state_file, state, indent=1)
             splits[split] = {"images": len(folder.samples), "pixels_bytes": (dst / f"{split}.pixels").stat().st_size,
                              "index_bytes": (dst / f"{split}.index").stat().st_size}
     header = {"format": PACK_FORMAT, "version": PACK_VERSION, "max_side": max_side, "source": settings["src"],
-              "classes": settings["classes"], "splits": splits}
+              "classes": settings["classes"], "splits": splits,
+              "bad_files": {split: bad for split, bad in state["bad_files"].items() if bad}}
     write_json_atomic(dst / "pack.json", header, indent=1)  # last: a folder with pack.json holds a whole pack
     state_file.unlink()
     return header
 
 
-def _pack_split(samples: list, dst: Path, split: str, max_side: int, workers: int, bar) -> None:
+PLACEHOLDER = np.zeros((1, 1, 3), dtype=np.uint8)  # what a file that does not decode is packed as
+
+
+def _pack_split(samples: list, dst: Path, split: str, max_side: int, workers: int, bar, state: dict,
+                state_file: Path, bound: int) -> None:
     from multiprocessing import get_context
 
     pixels_path, index_path = dst / f"{split}.pixels.partial", dst / f"{split}.index.partial"
@@ -134,17 +147,27 @@ def _pack_split(samples: list, dst: Path, split: str, max_side: int, workers: in
     end = int(ends[records - 1]) if records else 0
     os.truncate(index_path, records * 8 * RECORD)
     os.truncate(pixels_path, end)
+    bad = {index: entry for index, entry in state["bad_files"].get(split, {}).items() if int(index) < records}
+    state["bad_files"][split] = bad
     bar.update(records)
     bar.refresh()  # where the pack continues, shown before the first new image
     todo = [(path, max_side) for path, _ in samples[records:]]
     with open(pixels_path, "ab") as pixels, open(index_path, "ab") as index, \
             get_context("spawn" if sys.platform == "darwin" else "fork").Pool(workers) as pool:
-        for number, ((image, bad), (_, label)) in enumerate(zip(pool.imap(_shrink_job, todo, chunksize=8),
-                                                                samples[records:]), start=records):
+        for number, ((image, problem), (_, label)) in enumerate(zip(pool.imap(_shrink_job, todo, chunksize=8),
+                                                                    samples[records:]), start=records):
             if image is None:
-                pixels.flush(), index.flush()
-                raise UsageError("SRC", f"cannot read the image {bad}",
-                                 "remove or replace the file, then run the same command again: it continues")
+                path, why = problem
+                bad[str(number)] = [path, why]
+                bar.write(f"warning: {path} does not decode ({why}): packed as a black placeholder", file=sys.stderr)
+                if len(bad) > bound:
+                    pixels.flush(), index.flush()
+                    raise UsageError("--max-bad-files", f"{len(bad)} file(s) of {split}/ do not decode, more than the "
+                                     f"{bound} it allows; the last: {path} ({why})", "repair or remove it, then run "
+                                     "the same command again: it continues (or raise --max-bad-files)")
+                # Before its record: a pack continued after a crash keeps the entries of the records it keeps.
+                write_json_atomic(state_file, state, indent=1)
+                image = PLACEHOLDER
             height, width = image.shape[:2]
             pixels.write(image.tobytes())
             index.write(np.array([end, height, width, label], dtype="<i8").tobytes())
@@ -224,6 +247,9 @@ class PackedImages:
 
     def __init__(self, pack: Pack, split: str, train: bool, image_size: int, augment: str, seed: int):
         self.root, self.split, self.images = pack.root, split, pack.header["splits"][split]["images"]
+        # Placeholders of files that did not decode when packed: named and counted as an image folder's would be.
+        placeholders = pack.header.get("bad_files", {}).get(split, {})
+        self.bad = {int(i): f"{path}\0{why}" for i, (path, why) in placeholders.items()}
         self.train, self.side, self.augment, self.seed = train, image_size, augment, seed
         self._maps = None  # opened in the process that reads (a DataLoader worker), not pickled to it
 
@@ -250,7 +276,7 @@ class PackedImages:
             image = torch.from_numpy(pixels[offset:offset + height * width * 3].reshape(height, width, 3))
         # Views are planned on the packed geometry: the same statistics (relative boxes) as the source's.
         plan = view_plan(sample_key(sample, epoch, self.seed), width, height, self.side, self.train, self.augment)
-        return resize_view(image.permute(2, 0, 1), plan, self.side), label
+        return resize_view(image.permute(2, 0, 1), plan, self.side), label, self.bad.get(sample, "")
 
 
 def packed_datasets(cfg):
@@ -272,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes "
                         "(default: every core)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--max-bad-files", default="0.001", help="files of a split that may not decode (packed as "
+                        "black placeholders, each with a warning): a count (10) or a fraction of the split (0.001: "
+                        "0.1%%, at least 1; default); more stop the pack")
     with exit_on_usage_error():
         args = parser.parse_args(argv)
         if args.max_side < 8:
@@ -280,10 +309,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--workers", f"{args.workers} is below 1", "use 1 or more")
         if not args.src.is_dir():
             raise UsageError("SRC", f"'{args.src}' is not a folder", "give the image folder's root")
-        header = pack(args.src, args.dst, args.max_side, args.workers, progress=not args.no_progress)
+        bad_file_bound(args.max_bad_files, 0)
+        header = pack(args.src, args.dst, args.max_side, args.workers, progress=not args.no_progress,
+                      max_bad=args.max_bad_files)
     size = sum(f["pixels_bytes"] + f["index_bytes"] for f in header["splits"].values())
     counts = ", ".join(f"{split}: {facts['images']} images" for split, facts in header["splits"].items())
-    print(f"packed {counts} ({size / 2**30:.2f} GiB) into {args.dst}; train with --dataset packed "
+    bad = sum(len(entries) for entries in header["bad_files"].values())
+    placeholders = f"; {bad} file(s) did not decode: black placeholders, named in pack.json" if bad else ""
+    print(f"packed {counts} ({size / 2**30:.2f} GiB) into {args.dst}{placeholders}; train with --dataset packed "
           f"--data-dir {args.dst}")
     return 0
 

@@ -59,6 +59,8 @@ def train(run) -> int:
     train_batches = Batches(train_data, spec, cfg, run.ctx, train=True)
     val_batches = Batches(val_data, spec, cfg, run.ctx, train=False) if val_data is not None and cfg.val_every \
         else None
+    if cfg.dataset in ("imagefolder", "packed"):  # image files, read one by one: some may not decode
+        run.count_bad_files(train_batches.bad_files, *([val_batches.bad_files] if val_batches is not None else []))
     steps_per_epoch = train_batches.num_batches // cfg.grad_accum
     if steps_per_epoch == 0:
         with exit_on_usage_error():

@@ -262,6 +262,12 @@ class Run:
         self.plan(self._sampler.batches_per_epoch // self.settings.grad_accum)
         return self._sampler
 
+    def count_bad_files(self, training, *others) -> None:
+        """Files the input skipped (trainer.data.images.BadFiles of each split, the training one first): this
+        epoch's training count summed over the ranks at each log step, shown on the progress line and checked
+        against its bound (--max-bad-files: every rank stops at that step, one line); every one in summary.json."""
+        self.observers.bad_files = [training, *others]
+
     def plan(self, steps_per_epoch: int, epochs: int | None = None) -> int | None:
         """The run's length: optimizer steps per epoch (and epochs, else the epochs setting or run.epochs(N)).
         The progress bar, the LR warm-up of local SGD and the profiler's window check use it; returns the

@@ -80,9 +80,12 @@ class Progress:
         self.enabled = ctx.is_main
         self.last_step = start_step
 
-    def update(self, step: int, epoch: int, loss: float | None, lr: float | None, samples_per_s: float) -> None:
-        """loss and lr: None where the run does not know them (a script that logs neither)."""
-        shown = {"loss": f"{loss:.4f}" if loss is not None else None, "lr": f"{lr:.4g}" if lr is not None else None}
+    def update(self, step: int, epoch: int, loss: float | None, lr: float | None, samples_per_s: float,
+               bad_files: int = 0) -> None:
+        """loss and lr: None where the run does not know them (a script that logs neither); bad_files: the files
+        this epoch skipped so far (shown once there are any)."""
+        shown = {"loss": f"{loss:.4f}" if loss is not None else None, "lr": f"{lr:.4g}" if lr is not None else None,
+                 "bad files": str(bad_files) if bad_files else None}
         if self.bar is not None:
             self.bar.update(step - self.last_step)
             self.bar.set_postfix(epoch=epoch, **{k: v for k, v in shown.items() if v is not None},

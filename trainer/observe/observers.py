@@ -3,8 +3,10 @@
 Every optimizer step they count samples and time (Throughput, StepTiming) and keep the loss on the device.
 Every --log-every steps, and at the last step, they make the loop's one host sync: the loss summed over ranks
 with every rank's timing in the same all-reduce, then the scalars to every tracker (Loss/train, lr,
-throughput/samples_per_s, time/*/rankN) and the progress line. At the end, summary.json. The built-in loop and
-scripts on trainer.api observe through them alike.
+throughput/samples_per_s, time/*/rankN) and the progress line. Files the input skipped (image files that do not
+decode) are summed over the ranks in the same all-reduce: shown on the progress line, bounded per epoch
+(--max-bad-files), counted in summary.json. At the end, summary.json. The built-in loop and scripts on trainer.api
+observe through them alike.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from trainer.observe.steptiming import StepTiming
 
 log = logging.getLogger("trainer")
 VALIDATION = ("Loss/val", "acc1/val", "acc5/val")  # kept for summary.json as val_loss, val_acc1, val_acc5
+MAX_PATHS_LISTED = 1000  # of the skipped files, in summary.json (bad_files counts them all)
 
 
 class Observers:
@@ -43,6 +46,8 @@ class Observers:
         self.train_loss: float | None = None
         self.validation: dict[str, float] = {}
         self.start_step, self.resumed = 0, False
+        self.bad_files: list = []  # trainer.data.images.BadFiles of the run's splits; the first one's bound counts
+        self.bad_this_epoch = 0    # its epoch's count over every rank, as of the last log step
 
     # ---------------------------------------------------------------- set-up, once the run's pieces are known
     def start(self, start_step: int, resumed: bool) -> None:
@@ -82,12 +87,24 @@ class Observers:
             log.info("first step done %.1f s after the worker started", time.perf_counter() - self.started)
         if step % self.log_every and not last:
             return
+        head = self.loss_sum
+        if self.bad_files:  # in the same all-reduce: no collective of its own
+            import torch
+
+            head = torch.stack([self.loss_sum, torch.tensor(float(self.bad_files[0].this_epoch),
+                                                            device=self.loss_sum.device)])
         if self.timing is not None:
-            summed = self.timing.reduce_loss(self.loss_sum)
+            reduced = self.timing.reduce_loss(head)
         else:
             from trainer.parallel.collectives import all_reduce_sum
 
-            summed = all_reduce_sum(self.ctx, self.loss_sum).item()
+            reduced = all_reduce_sum(self.ctx, head).reshape(-1).tolist()
+        summed = reduced[0]
+        if self.bad_files:
+            self.bad_this_epoch = round(reduced[1])
+            bound = self.bad_files[0].bound
+            if bound is not None and self.bad_this_epoch > bound:  # the same sum on every rank: all stop here
+                raise self.bad_files[0].too_many(self.bad_this_epoch, self.ctx.is_main)
         values: dict[str, float] = {}
         if self.loss_count:
             # The same loss on every rank, so every rank joins the check. A non-finite loss with finite weights
@@ -109,7 +126,7 @@ class Observers:
             values.update(self.timing.scalars())
         self.log(step, values)
         if self.progress is not None:
-            self.progress.update(step, epoch, self.train_loss, lr, rate)
+            self.progress.update(step, epoch, self.train_loss, lr, rate, self.bad_this_epoch)
         self.loss_sum.zero_()
         self.loss_count = 0
 
@@ -143,8 +160,19 @@ class Observers:
             "wall_seconds": time.perf_counter() - self.started, "train_loss": self.train_loss,
             "val_loss": self.validation.get("Loss/val"), "val_acc1": self.validation.get("acc1/val"),
             "val_acc5": self.validation.get("acc5/val"), "resumed_from_step": resumed_from,
+            **self._bad_files_seen(),
             **(self.timing.summary() if self.timing is not None else {}),
         }
+
+    def _bad_files_seen(self) -> dict[str, Any]:
+        """Every file any rank skipped, once (a collective: every rank calls summary())."""
+        if not self.bad_files:
+            return {"bad_files": None, "bad_file_paths": []}
+        from trainer.parallel.collectives import all_gather_objects
+
+        mine = sorted({path for source in self.bad_files for path in source.named})
+        seen = sorted({path for paths in all_gather_objects(self.ctx, mine) for path in paths})
+        return {"bad_files": len(seen), "bad_file_paths": seen[:MAX_PATHS_LISTED]}
 
     def write_summary(self, summary: dict[str, Any]) -> bool:
         """summary.json in the log directory (rank 0); False, with one line, if it cannot be written."""

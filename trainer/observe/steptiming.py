@@ -179,20 +179,22 @@ class StepTiming:
                 self.utilization_readable = False
         return -1.0
 
-    def reduce_loss(self, loss_sum) -> float:
-        """The loss summed over ranks, with every rank's timing slot in the same all-reduce."""
+    def reduce_loss(self, head) -> list[float]:
+        """`head` (the loss, and any other per-rank values to sum: a 0-d or 1-d tensor) summed over ranks, with
+        every rank's timing slot in the same all-reduce."""
+        head = head.reshape(-1)
         if not self.enabled:
-            return collectives.all_reduce_sum(self.ctx, loss_sum).item()
+            return collectives.all_reduce_sum(self.ctx, head).tolist()
         import torch
 
-        width = len(SLOT)
-        packed = torch.zeros(1 + width * self.ctx.world_size, dtype=loss_sum.dtype, device=loss_sum.device)
-        packed[0] = loss_sum
-        begin = 1 + width * self.ctx.rank
-        packed[begin:begin + width] = torch.tensor(self._window_slot(), dtype=loss_sum.dtype)
+        width, first = len(SLOT), len(head)
+        packed = torch.zeros(first + width * self.ctx.world_size, dtype=head.dtype, device=head.device)
+        packed[:first] = head
+        begin = first + width * self.ctx.rank
+        packed[begin:begin + width] = torch.tensor(self._window_slot(), dtype=head.dtype)
         values = collectives.all_reduce_sum(self.ctx, packed).tolist()
-        self.window = [values[1 + width * r:1 + width * (r + 1)] for r in range(self.ctx.world_size)]
-        return values[0]
+        self.window = [values[first + width * r:first + width * (r + 1)] for r in range(self.ctx.world_size)]
+        return values[:first]
 
     def scalars(self) -> dict[str, float]:
         """The window's per-rank scalars (time/compute_ms/rank1, ...); logs the straggler on rank 0."""
