@@ -382,3 +382,30 @@ def test_the_stack_fix_is_in_the_syntax_of_where_it_runs(tmp_path):
     assert limit_fixes("docker")[1] == "compose: ulimits: stack: 67108864 / docker run --ulimit stack=67108864"
     assert limit_fixes("podman")[1].endswith("podman run --ulimit stack=67108864")
     assert limit_fixes("apptainer")[1].startswith("ulimit -s 65536 before apptainer exec")
+
+
+def test_doctor_data_lists_every_file_that_does_not_decode_and_every_class_folder_without_an_image(tmp_path):
+    """`trainer-doctor --data DIR` decodes every image file as training would (in every core) and lists what
+    training would skip or refuse, ahead of the run; a clean folder passes."""
+    write_image_folder(tmp_path / "data", per_class={"train": 5, "val": 2})
+    truncated = tmp_path / "data" / "train" / "cat" / "3.png"
+    truncated.write_bytes(truncated.read_bytes()[:len(truncated.read_bytes()) // 2])
+    not_an_image = tmp_path / "data" / "val" / "dog" / "notes.jpg"
+    not_an_image.write_text("not an image\n")
+    (tmp_path / "data" / "train" / "emu").mkdir()
+    (tmp_path / "data" / "train" / "emu" / "README").write_text("the emus are late\n")
+    found = _cli(tmp_path, ["--data", "data", "--json"], module="trainer.cli.doctor")
+    assert found.returncode == 1, found.stdout + found.stderr
+    report = json.loads(found.stdout)
+    assert report["files"] == 15 and report["where"] == ["data/train", "data/val"]
+    assert {bad["path"]: bad["reason"] for bad in report["bad"]} == {
+        "data/train/cat/3.png": "image file is truncated", "data/val/dog/notes.jpg": "not an image PIL can decode"}
+    assert report["empty_class_folders"] == ["data/train/emu"]
+    shown = _cli(tmp_path, ["--data", "data"], module="trainer.cli.doctor")
+    assert "  does not decode: data/train/cat/3.png (image file is truncated)" in shown.stdout.splitlines()
+    for path in (truncated, not_an_image, tmp_path / "data" / "train" / "emu" / "README"):
+        path.unlink()
+    (tmp_path / "data" / "train" / "emu").rmdir()
+    clean = _cli(tmp_path, ["--data", "data"], module="trainer.cli.doctor")
+    assert clean.returncode == 0 and clean.stdout.startswith("checked 13 image files in data/train, data/val ("), \
+        clean.stdout + clean.stderr

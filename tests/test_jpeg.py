@@ -331,8 +331,17 @@ def truncated(path):
     path.write_bytes(data[:len(data) // 2])
 
 
+def damaged_inside(path):
+    """Huffman tables overwritten: the frame header and the end marker are whole (the GPU path sends it to the
+    device's decoder, which refuses it, and PIL in the training process then refuses it too)."""
+    data = path.read_bytes()
+    at = data.index(b"\xff\xc4") + 5
+    path.write_bytes(data[:at] + b"\xff" * 40 + data[at + 40:])
+
+
 BAD_FILES = {  # what to do to train/dog/1.jpg, and what the one line says about it
     "truncated JPEG": (truncated, "truncated"),
+    "JPEG damaged inside": (damaged_inside, "not an image PIL can decode"),
     "not an image": (lambda p: p.write_text("not an image\n"), "not an image PIL can decode"),
     "zero-byte file": (lambda p: p.write_bytes(b""), "an empty file"),
 }
@@ -344,14 +353,13 @@ RUN_FOLDER = ["--model", "cnn", "--dataset", "imagefolder", "--image-size", "32"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("decode", ["cpu", "pil"])
-@pytest.mark.parametrize("case", list(BAD_FILES))
-def test_a_bad_file_is_skipped_with_one_warning_naming_it_and_counted(tmp_path, case, decode):
+def test_a_bad_file_is_skipped_with_one_warning_naming_it_and_counted(tmp_path, decode):
     """A file that does not decode no longer ends the run (exit 2, never restarted, hours into an epoch): it is
     skipped with one warning naming it (once, though two epochs read it), shown on the progress line, counted in
     summary.json."""
     write_jpeg_folder(tmp_path / "data", per_class={"train": 3, "val": 1}, size=(80, 60))
     bad = tmp_path / "data" / "train" / "dog" / "1.jpg"
-    spoil, reason = BAD_FILES[case]
+    spoil, reason = BAD_FILES["truncated JPEG"]  # each kind on each path: the test below
     spoil(bad)
     result = run_trainer([*RUN_FOLDER, "--data-dir", str(tmp_path / "data"), "--decode", decode,
                           *dirs_args(tmp_path)], tmp_path)

@@ -364,9 +364,14 @@ def format_table(checks: list[Check]) -> str:
                      for r in rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, data_check=None) -> int:
+    """data_check(DIR, training options, as_json) -> exit status: `--data DIR`'s check, which decodes image files
+    (trainer.data.check; the trainer-doctor command passes it: this room imports no torch)."""
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    own.add_argument("--data", metavar="DIR", help="instead of the checks: decode every image file of DIR (an image "
+                     "folder, one split of it, or a pack) as training would, and list those that do not decode and "
+                     "the class folders without an image; exits 1 if there are any")
     # The whole command line, so that a mistake (or --help) names trainer-doctor and its options.
     parser = OneLineErrorParser(
         prog="trainer-doctor", usage="trainer-doctor [--json] [training options]", add_help=False,
@@ -377,6 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args(argv)
         args, training_args = own.parse_known_args(argv)
         training = load_config(training_args, os.environ, world_size=1)
+        if args.data is not None:
+            if data_check is None:
+                raise UsageError("--data", "decodes image files, which this module does not", "run trainer-doctor "
+                                 "--data DIR (python -m trainer.cli.doctor)")
+            return data_check(args.data, training, args.json)
     checks = run_checks(os.environ, training)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
