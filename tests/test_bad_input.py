@@ -67,6 +67,7 @@ def empty_image_folder(cwd: Path) -> None:
 
 def image_class_folder(cwd: Path) -> None:
     (cwd / "images" / "train" / "cat").mkdir(parents=True)
+    (cwd / "images" / "train" / "cat" / "0.jpg").write_bytes(b"\xff\xd8")  # a class folder ImageFolder would take
 
 
 def empty_class_folder(cwd: Path) -> None:
@@ -90,6 +91,18 @@ def plain_state_dict(cwd: Path) -> None:
     import torch
 
     torch.save({"weight": torch.zeros(2)}, cwd / "model.pt")  # loads with weights_only, but is not ours
+
+
+def newest_a_directory_of_another_model(cwd: Path) -> None:
+    """A committed sharded checkpoint (fsdp's directory: state file and marker) of a resnet18, newer than the cnn's."""
+    import torch
+
+    newest = cwd / "checkpoints" / "step-00000100"
+    newest.mkdir()
+    torch.save({"format": 1, "global_step": 100, "door": "built-in", "model": torch.zeros(2),
+                "config": {"model": "resnet18", "dataset": "synthetic", "synthetic_image_size": 32,
+                           "optimizer": "sgd"}}, newest / "trainer.pt")
+    (newest / "COMMITTED").write_text("")
 
 
 def a_directory(cwd: Path) -> None:
@@ -128,6 +141,13 @@ TABLE = {
     "unknown flag": launcher("arguments", "--learning-rate", "0.1"),
     "sync-bn without GPUs": launcher("--sync-bn", "--sync-bn"),
     "missing resume checkpoint": launcher("--resume", "--resume", "checkpoints/step-00000099.pt"),
+    # launcher: what it would resume, read without torch before torchrun (it was each rank's error, 4 s in)
+    "empty checkpoint file (launcher)": BadInput(LAUNCH, "--resume", ("--resume", "empty.pt"), env={"PREFLIGHT": "0"},
+                                                 files=empty_checkpoint),
+    "newest checkpoint of another model (launcher)": launcher("--resume", "--model", "cifar_resnet18"),
+    "resume with another optimizer (launcher)": launcher("--optimizer", "--optimizer", "adamw"),
+    "newest checkpoint a directory of another model (launcher)": BadInput(LAUNCH, "--resume", env={"PREFLIGHT": "0"},
+                                                                          files=newest_a_directory_of_another_model),
     "imagefolder without a data dir": launcher("--data-dir", "--dataset", "imagefolder", "--data-dir", "nowhere"),
     "imagefolder with an empty class folder": BadInput(LAUNCH, "--data-dir", ("--dataset", "imagefolder", "--data-dir",
                                                                              "images"), env={"PREFLIGHT": "0"},

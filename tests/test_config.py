@@ -182,3 +182,28 @@ def test_the_settings_page_check_fails_on_a_stale_page(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_page, "PAGE", stale)
     assert settings_page.main(["--check"]) == 1
     assert settings_page.main([]) == 0 and settings_page.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("args, env, setting, suggested", [
+    ([], {"TRAIN_LEARNING_RATE": "0.01"}, "TRAIN_LEARNING_RATE", "did you mean TRAIN_LR?"),
+    ([], {"TRAIN_LOGDIR": "runs"}, "TRAIN_LOGDIR", "did you mean TRAIN_LOG_DIR?"),
+    ([], {"TRAIN_GRADIENT_ACCUMULATION_STEPS": "2"}, "TRAIN_GRADIENT_ACCUMULATION_STEPS", "did you mean TRAIN_GRAD_ACCUM?"),
+    ([], {"TRAIN_NUM_TRAIN_EPOCHS": "2"}, "TRAIN_NUM_TRAIN_EPOCHS", "did you mean TRAIN_EPOCHS?"),
+    ([], {"TRAIN_SCRIPTS": "train.py"}, "TRAIN_SCRIPTS", "did you mean TRAIN_SCRIPT?"),
+    (["--learning-rate", "0.01"], {}, "arguments", "did you mean --lr?"),
+    (["--wd", "0"], {}, "arguments", "did you mean --weight-decay?"),
+], ids=["learning rate", "logdir", "HF's gradient accumulation", "HF's epochs", "launcher variable",
+        "flag --learning-rate", "torchvision's --wd"])
+def test_a_name_users_type_elsewhere_suggests_the_option_it_means(tmp_path, args, env, setting, suggested):
+    """Names from other tools are what users type: the suggestion is the option they mean (TRAIN_LEARNING_RATE
+    used to get "did you mean TRAIN_LOG_DIR?", the closest spelling with the shared prefix counted)."""
+    result = run_trainer([*args, *dirs_args(tmp_path)], tmp_path, env=env, timeout=BAD_INPUT_TIMEOUT_S)
+    assert suggested in assert_usage_error(result, setting)
+    assert files_under(tmp_path) == set()
+
+
+def test_a_script_s_keyword_argument_users_type_elsewhere_suggests_the_setting(tmp_path):
+    from trainer.config.settings import script_settings
+
+    with pytest.raises(UsageError, match=r"^learning_rate: is not a setting of Run\(\) \(did you mean lr\? "):
+        script_settings({"learning_rate": 0.01}, {}, 1)

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -134,6 +135,26 @@ def test_resume_auto_after_a_rollback_follows_the_rollback_not_the_abandoned_fut
     assert f"resuming from {checkpoints}/step-00000025.pt" in later.stderr, later.stderr[-3000:]
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == 25
     assert_same_params(final_params(checkpoints), load_checkpoint(aside / "step-00000040.pt")["model"])
+
+
+def test_the_fix_the_wrong_model_error_names_works(uninterrupted, tmp_path):
+    """Another model in a folder of a cnn's checkpoints: the launcher refuses it before torchrun, in one line naming
+    --resume never; with --resume never the run starts afresh there, the cnn's checkpoints set aside (it used to be
+    refused in turn, the folder holding another run's checkpoints)."""
+    shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
+    run = [sys.executable, "-m", "trainer.cluster.launch", "--model", "autoencoder", "--synthetic-size", "64",
+           "--batch-size", "8", "--max-steps", "2", "--num-workers", "0", *dirs_args(tmp_path)]
+    env = clean_env({"PREFLIGHT": "0", "NPROC_PER_NODE": "2"})
+    refused = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    line = assert_usage_error(refused, "--resume")
+    assert "holds a cnn trained on synthetic 32x32, this run is a autoencoder" in line and \
+        line.endswith("(use another --checkpoint-dir or --resume never)"), line
+    fixed = subprocess.run([*run, "--resume", "never"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=RUN_TIMEOUT_S)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert read_summary(tmp_path / "runs")["model"] == "autoencoder"
+    aside = {p.name for p in (tmp_path / "checkpoints").glob("abandoned-after-step-00000000-*/step-*.pt")}
+    assert aside == {p.name for p in (uninterrupted / "checkpoints").glob("step-*.pt")}
 
 
 def test_resume_never_starts_fresh(tmp_path):

@@ -105,3 +105,21 @@ def test_every_torch_load_in_the_trainer_passes_weights_only_true():
     unsafe = [where for where, flag in calls if not (len(flag) == 1 and isinstance(flag[0], ast.Constant)
                                                      and flag[0].value is True)]
     assert not unsafe, f"torch.load without weights_only=True at {unsafe}"
+
+
+def test_the_launchers_look_at_a_checkpoint_runs_none_of_its_code(tmp_path, payload):
+    """trainer-launch reads what it would resume before torchrun, without torch: its unpickler builds nothing a
+    pickle names (os.system included), for an explicit checkpoint and for the newest one under --resume auto."""
+    checkpoint, marker = payload
+    planted = tmp_path / "checkpoints" / "step-00000099.pt"
+    write_malicious_checkpoint(planted, marker)
+    for resume in (str(checkpoint), "auto"):
+        result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run", "--model", "cnn",
+                                 "--resume", resume, "--checkpoint-dir", str(tmp_path / "checkpoints")], cwd=tmp_path,
+                                env=clean_env({"NPROC_PER_NODE": "2"}), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert not marker.exists()
+    from trainer.config.resume import peek
+
+    state = peek(checkpoint)
+    assert state is not None and state["format"] == 1 and state["global_step"] == 99 and not marker.exists()

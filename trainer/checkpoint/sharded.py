@@ -26,12 +26,11 @@ from typing import Any, Iterator
 
 import torch
 
+from trainer.config.resume import COMMIT_MARKER, STATE_FILE  # a directory's marker (written last) and state file
 from trainer.core.files import TEMP_PREFIX
 
 log = logging.getLogger(__name__)
 
-COMMIT_MARKER = "COMMITTED"  # written last: a directory without it is not a checkpoint
-STATE_FILE = "trainer.pt"  # the non-tensor rest of a snapshot, a weights_only torch file
 METADATA_FILE = ".metadata"  # DCP's index of every shard
 
 

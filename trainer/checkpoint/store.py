@@ -16,7 +16,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -28,13 +27,13 @@ from typing import IO, Any, Callable
 import torch
 
 from trainer.checkpoint.state import FORMAT
+from trainer.config.resume import NAME, list_checkpoints  # the checkpoints' names on disk (one home)
 from trainer.core.errors import UsageError, first_line, os_reason
 from trainer.core.files import TEMP_PREFIX, atomic_file, fsync_dir
 from trainer.parallel.context import DistContext
 
 log = logging.getLogger(__name__)
 
-NAME = re.compile(r"^step-(\d{8,})(\.pt)?$")  # a file, or a sharded directory
 LOCK_NAME = ".lock"
 FULL_DISK_BYTES = 1 << 20  # less free than this: the disk is full, for a checkpoint or a start-up check
 
@@ -106,19 +105,6 @@ def remove_marker(directory: Path, name: str) -> None:
 
 def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}.pt"
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Committed checkpoints (files, and directories with their commit marker), newest first."""
-    from trainer.checkpoint.sharded import COMMIT_MARKER
-
-    if not directory.is_dir():
-        return []
-    # A step-N.pt counts whatever it is: one that cannot be read must stop the resume with its name, not
-    # be passed over for an older step. A step-N directory counts once its marker is there.
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := NAME.match(p.name))
-             and (m.group(2) or (p / COMMIT_MARKER).is_file())]
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 def step_of(path: Path) -> int:

@@ -52,6 +52,7 @@ from trainer.cluster.gpus import visible_gpu_count
 from trainer.cluster.topology import Topology, env_int
 from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT
 from trainer.config.catalog import importable_as_python_m
+from trainer.config.resume import check_resume
 from trainer.config.settings import (
     ELASTIC_WORLD_ENV,
     FALSE_WORDS,
@@ -385,6 +386,7 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
                            "x grad-accum divides")
                 raise UsageError(setting, f"{problem}, a world size this elastic job may shrink to "
                                  f"(NNODES={topology.node_range})", fix) from None
+    check_resume(options)  # what it would resume: an empty file, another model's checkpoint (read without torch)
     return Launch(command, topology, load_config(list(program.args), env, world_size=topology.world_size))
 
 

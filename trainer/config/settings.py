@@ -147,6 +147,50 @@ class TrainConfig:
 
 OPTIONS = [f for f in dataclasses.fields(TrainConfig) if not f.metadata.get("derived")]
 
+# Names users type for an option, from other tools (Hugging Face's TrainingArguments, Lightning, torchvision's
+# reference scripts, timm): a near miss by spelling would suggest another option (TRAIN_LEARNING_RATE read as
+# TRAIN_LOG_DIR). Used only to say "did you mean ...?"; an alias is never read as the option.
+ALIASES = {
+    "lr": ("learning_rate", "base_lr", "max_lr", "peak_lr"),
+    "lr_schedule": ("lr_scheduler", "lr_scheduler_type", "scheduler", "schedule", "sched"),
+    "warmup_steps": ("warmup", "num_warmup_steps", "lr_warmup_steps", "warmup_iters"),
+    "weight_decay": ("wd", "decay"),
+    "optimizer": ("opt", "optim"),
+    "batch_size": ("bs", "batch", "per_device_train_batch_size", "train_batch_size", "micro_batch_size"),
+    "global_batch_size": ("total_batch_size", "effective_batch_size"),
+    "grad_accum": ("gradient_accumulation_steps", "accumulate_grad_batches", "accum_steps", "grad_accumulation"),
+    "epochs": ("num_train_epochs", "max_epochs", "n_epochs", "num_epochs"),
+    "max_steps": ("steps", "train_steps", "total_steps", "max_iters", "num_steps"),
+    "num_workers": ("workers", "dataloader_num_workers", "j", "loader_workers"),
+    "model": ("arch", "architecture", "model_name", "network", "net"),
+    "data_dir": ("data", "data_path", "data_root", "dataset_dir", "dataset_path", "root"),
+    "log_dir": ("output_dir", "logdir", "logging_dir", "tensorboard_dir", "runs_dir"),
+    "checkpoint_dir": ("ckpt_dir", "save_dir", "checkpoint_path", "checkpoints_dir", "checkpoints"),
+    "checkpoint_every": ("save_steps", "save_every", "ckpt_every", "save_interval", "checkpoint_interval"),
+    "keep_checkpoints": ("save_total_limit", "keep", "max_checkpoints"),
+    "log_every": ("logging_steps", "print_freq", "log_interval", "log_freq"),
+    "val_every": ("eval_every", "eval_steps", "val_interval", "eval_interval", "check_val_every_n_epoch"),
+    "resume": ("resume_from_checkpoint", "resume_from", "ckpt_path", "checkpoint"),
+    "amp": ("precision", "mixed_precision", "fp16", "bf16", "autocast"),
+    "sync_bn": ("sync_batchnorm", "syncbn"),
+    "seed": ("random_seed", "manual_seed"),
+    "image_size": ("img_size", "input_size", "crop_size", "resolution", "train_crop_size"),
+    "collective_timeout": ("timeout", "nccl_timeout", "ddp_timeout"),
+    "compile": ("torch_compile",),
+    "channels_last": ("memory_format",),
+}
+_ALIAS_OF = {alias: option for option, aliases in ALIASES.items() for alias in aliases}
+
+
+def meant(name: str) -> str | None:
+    """The option a mistyped name (learning_rate, LEARNING-RATE, logdir) most likely means: a name users type
+    for it elsewhere (ALIASES), else the closest spelling; None when nothing is close."""
+    key = name.strip().lstrip("-").lower().replace("-", "_")
+    if key in _ALIAS_OF:
+        return _ALIAS_OF[key]
+    close = difflib.get_close_matches(key, [f.name for f in OPTIONS], n=1)
+    return close[0] if close else None
+
 
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -223,7 +267,14 @@ ELASTIC_WORLD_ENV = "TRAINER_ELASTIC_WORLD"
 
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
     """Merge flags, environment, .env and defaults into a validated TrainConfig (the built-in loop's)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((a for a in unknown if a.startswith("-")), unknown[0]).split("=")[0]
+        option = meant(flag) if flag.startswith("--") else None
+        hint = f"did you mean {flag_name(option)}? " if option else ""
+        raise UsageError("arguments", f"unrecognized arguments: {' '.join(unknown)}",
+                         f"{hint}see `{parser.prog} --help`")
     flags = {f.name: (getattr(args, f.name), flag_name(f.name)) for f in OPTIONS if getattr(args, f.name) is not None}
     return _merged(flags, environ, args.env_file, world_size)
 
@@ -236,8 +287,8 @@ def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], wo
     given = {}
     for name, value in overrides.items():
         if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
+            close = meant(name)
+            hint = f"did you mean {close}? " if close else ""
             raise UsageError(name, "is not a setting of Run()", f"{hint}`trainer --help` lists the settings as "
                              "flags: --checkpoint-every is checkpoint_every")
         if value is not None:
@@ -286,8 +337,12 @@ def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
     known = [env_name(f.name) for f in OPTIONS] + list(LAUNCHER_VARIABLES)
     for name in variables:
         if name.startswith(ENV_PREFIX) and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
+            # Compared without the prefix: every name shares it, which made TRAIN_LEARNING_RATE "close" to TRAIN_LOG_DIR.
+            option = meant(name.removeprefix(ENV_PREFIX))
+            launcher = difflib.get_close_matches(name.removeprefix(ENV_PREFIX).lower(),
+                                                 [v.removeprefix(ENV_PREFIX).lower() for v in LAUNCHER_VARIABLES], n=1)
+            close = env_name(option) if option else env_name(launcher[0]) if launcher else None
+            hint = f"did you mean {close}? " if close else ""
             raise UsageError(name, f"in {where} is not a training setting", f"{hint}`trainer --help` lists them")
 
 

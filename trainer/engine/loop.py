@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Mapping
 
 from trainer.cluster.topology import WORKER, resolve
-from trainer.config.settings import TrainConfig, load_config, no_step_error
-from trainer.core.errors import UsageError, exit_on_usage_error, print_error
+from trainer.config.resume import check_same_workload
+from trainer.config.settings import load_config, no_step_error
+from trainer.core.errors import exit_on_usage_error, print_error
 
 log = logging.getLogger("trainer")
 
@@ -92,27 +92,3 @@ def train(run) -> int:
             run.optimizer_step(optimizer, scheduler)
         validator.epoch_done()
     return run.finish()
-
-
-def _workload(config: Mapping[str, Any]) -> tuple[str, str]:
-    """The model and the data its weights fit (synthetic data comes in several image sizes)."""
-    data = config["dataset"]
-    if data == "synthetic":
-        side = config.get("synthetic_image_size", 32)  # checkpoints from before the option: 32
-        data = f"synthetic {side}x{side}"
-    return config["model"], data
-
-
-def check_same_workload(cfg: TrainConfig, saved: Mapping[str, Any] | None, door: str, path) -> None:
-    """A checkpoint of the built-in loop holds its workload: another model, data set or optimizer is refused in
-    one line. A script's checkpoint is accepted when it holds what this loop registers (resume checks that)."""
-    if saved is None or door != "built-in":
-        return
-    (saved_model, saved_data), (model, data) = _workload(saved), _workload(cfg.as_dict())
-    if (saved_model, saved_data) != (model, data):
-        raise UsageError("--resume", f"{path} holds a {saved_model} trained on {saved_data}, this run is "
-                         f"a {model} on {data}", "use another --checkpoint-dir or --resume never")
-    if saved["optimizer"] != cfg.optimizer:
-        raise UsageError("--optimizer", f"{path} was trained with {saved['optimizer']}, this run asks for "
-                         f"{cfg.optimizer}", f"use --optimizer {saved['optimizer']} to resume it, or another "
-                         "--checkpoint-dir to start afresh")
