@@ -79,3 +79,29 @@ def test_the_bare_metal_commands_run_as_written_in_a_fresh_clone(tmp_path):
         outputs.append(out.stdout)
     assert "completed at step 128" in outputs[0], outputs[0][-3000:]
     assert (clone / "runs" / "summary.json").is_file() and "verdict:" in outputs[-1], outputs[-1][-2000:]
+
+
+def test_the_quoted_demo_line_is_what_the_summary_service_prints(tmp_path):
+    """README.md and docs/getting-started.md quote the demo's last line: the summary service of compose.yaml, run
+    here on a summary.json with the quoted values, prints exactly that (it used to lack the line's suffix)."""
+    import json
+
+    import yaml
+
+    service = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["summary-cpu"]
+    program = service["entrypoint"][-1].replace('open("/runs/summary.json")', f'open({str(tmp_path / "s.json")!r})')
+    assert str(tmp_path) in program, "the summary service no longer reads /runs/summary.json as it did"
+    quoted = [line for page in (REPO / "README.md", REPO / "docs" / "getting-started.md")
+              for line in page.read_text().splitlines() if line.startswith("summary-cpu-1  | ")]
+    assert len(quoted) == 2, quoted
+    for line in quoted:
+        shown = re.match(r"summary-cpu-1  \| (\w+) at step (\d+), world size (\d+): train loss (\S+), val acc@1 (\S+) ",
+                         line)
+        assert shown, line
+        status, step, world, loss, acc = shown.groups()
+        (tmp_path / "s.json").write_text(json.dumps({"status": status, "global_step": int(step), "world_size":
+                                                     int(world), "train_loss": float(loss), "val_acc1": float(acc)}))
+        printed = subprocess.run([sys.executable, "-c", program], env={"NODE_RANK": "0"}, capture_output=True,
+                                 text=True, timeout=60)
+        assert printed.returncode == 0, printed.stderr
+        assert f"summary-cpu-1  | {printed.stdout.strip()}" == line
