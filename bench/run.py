@@ -25,6 +25,7 @@ import shlex
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -128,9 +129,11 @@ def trainer_flags(nproc: int, args: argparse.Namespace, workdir: str, extra: str
             "--env-file", os.devnull, *shlex.split(extra)]
 
 
-def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Path) -> list[str]:
+def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Path, name: str = "") -> list[str]:
+    """name: the container's (the container stack), by which an interrupted run removes it."""
     if stack == "container":  # the service as users run it: its launcher, preflight and compose settings
         return ["docker", "compose", "--project-directory", str(REPO), "--profile", "cpu", "run", "--rm",
+                "--name", name or workdir.name,
                 "--no-deps", "-e", f"NPROC_PER_NODE={nproc}", "-e", f"OMP_NUM_THREADS={args.threads}",
                 "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu",
                 *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
@@ -191,11 +194,17 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace, keep: Path) -> tu
         workdir.chmod(0o777)  # the container's non-root user writes its results here
         if stack == "container":  # compose's mounts on host folders: no named volumes left behind per run
             env.update(DATA_DIR=str(workdir), CHECKPOINT_DIR=str(workdir), RUNS_DIR=str(workdir))
-        command = stack_command(stack, nproc, args, workdir)
+        name = workdir.name  # bench-container-<random>: the container's name too
+        command = stack_command(stack, nproc, args, workdir, name)
         if stack == "script":
             env.update(as_environment(trainer_flags(nproc, args, str(workdir), args.trainer_args)))
-        done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
-                                               timeout=1800)
+        try:
+            done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
+                                                   timeout=1800)
+        except BaseException:  # Ctrl-C, a timeout: compose run's client may be gone, and its container with it
+            if stack == "container":
+                subprocess.run(["docker", "rm", "--force", name], capture_output=True, timeout=120)
+            raise
         if done.returncode != 0:
             print(f"+ {shlex.join(command)}  # the {stack} run that failed", file=sys.stderr)
             exit_with_failed_run(done)

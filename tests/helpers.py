@@ -272,7 +272,20 @@ def run_bench_pair(out: Path, stacks: tuple[str, ...], nproc: int, ratio: str | 
     the JSON and the markdown. Returns the JSON result."""
     command = [sys.executable, "-m", "bench", "--stacks", *stacks, "--nproc", str(nproc), "--rounds", "3",
                *args, "--out", str(out)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as bench:
+        try:
+            stdout, stderr = bench.communicate(timeout=timeout)
+        except KeyboardInterrupt:  # a Ctrl-C reached bench too: it removes what it started (a container), then ends
+            try:
+                bench.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+            raise
+        except subprocess.TimeoutExpired:
+            bench.kill()
+            raise
+    done = subprocess.CompletedProcess(command, bench.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     result = json.loads(next(out.glob("bench-*.json")).read_text())

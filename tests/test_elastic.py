@@ -195,3 +195,28 @@ def test_below_the_fewest_hosts_the_job_ends_with_one_line_once_none_joins_in_ti
                           "and no other host joined within RDZV_TIMEOUT (10 s) (start the lost hosts again, or lower "
                           "MIN: the job resumes from the newest checkpoint)"), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_the_one_machine_example_of_the_elastic_page_runs_as_written(tmp_path):
+    """docs/elastic.md's "Try it on one machine": two launchers on loopback, the second stopped once both train;
+    the first goes on alone (restart 1 of 10, world size 1) and completes. Its lines as written, on a free port."""
+    import re
+    import subprocess
+    import sys
+
+    page = (REPO / "docs" / "elastic.md").read_text()
+    block = re.search(r"\*\*Try it on one machine\.\*\*.*?```bash\n(.*?)\n```", page, re.S).group(1)
+    port = str(free_port())
+    script = block.replace("MASTER_PORT=29400", f"MASTER_PORT={port}").replace("127.0.0.1/29400", f"127.0.0.1/{port}")
+    assert script.count(port) == 2, "the example's port is no longer where this test replaces it"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=RUN_BOUND_S)
+    logs = {name: (tmp_path / name).read_text() for name in ("host-a.log", "host-b.log")}
+    assert done.returncode == 0, done.stdout + done.stderr + logs["host-a.log"][-3000:] + logs["host-b.log"][-2000:]
+    assert "restart 1 of 10: another host left the job" in done.stdout, done.stdout
+    assert "elastic: world size 1 of at most 2" in done.stdout and "completed at step 64" in done.stdout, done.stdout
+    assert "stopped by SIGTERM: every worker on this host exited 0" in logs["host-b.log"], logs["host-b.log"][-2000:]

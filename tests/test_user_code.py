@@ -364,7 +364,7 @@ def test_image_folder_augmentation_policies(tmp_path):
     light = ImageFolderWithKeys(tmp_path / "data" / "train", True, 24, "light", seed=0)
     plain = ImageFolderWithKeys(tmp_path / "data" / "train", True, 24, "none", seed=0)
     for index in range(len(light)):
-        image, _ = light[(index, 0)]
+        image = light[(index, 0)][0]
         assert image.shape == (3, 24, 24) and image.dtype == torch.uint8
         assert torch.equal(image, light[(index, 0)][0])  # a function of (seed, epoch, index)
         assert torch.equal(plain[(index, 0)][0], plain[(index, 3)][0])

@@ -25,8 +25,7 @@ from typing import Iterable
 
 import pytest
 
-from containerlib import (COMPOSE_FILE, CPU_IMAGE, EMPTY_ENV_FILE, ROOT, Project, build_env, clean_env, image_exists,
-                          run)
+from containerlib import COMPOSE_FILE, CPU_IMAGE, EMPTY_ENV_FILE, ROOT, Project, build_env, clean_env, image_exists
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,7 +47,7 @@ def compose_cli() -> list[str]:
     if shutil.which("docker") is None:
         _unavailable("no docker CLI on PATH")
     try:
-        out = run(["docker", "compose", "version", "--short"], capture_output=True,
+        out = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True,
                              text=True, timeout=30)
     except subprocess.TimeoutExpired:
         _unavailable("`docker compose version` timed out")
@@ -87,7 +86,7 @@ def cpu_image(docker_client, compose_cli) -> dict[str, str]:
     reuse = os.environ.get("TEST_REUSE_IMAGE", "").strip().lower() in ("1", "true", "yes")
     if not (reuse and image_exists(docker_client, CPU_IMAGE)):
         started = time.monotonic()
-        out = run([*compose_cli, "-f", str(COMPOSE_FILE), "--env-file", str(EMPTY_ENV_FILE),
+        out = subprocess.run([*compose_cli, "-f", str(COMPOSE_FILE), "--env-file", str(EMPTY_ENV_FILE),
                               "--profile", "cpu", "build", "trainer-cpu"],
                              cwd=ROOT, env=clean_env(**env), capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:

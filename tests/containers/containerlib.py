@@ -1,28 +1,16 @@
-"""Helpers of the container tests: paths, a clean environment, commands in sessions of their own, compose projects.
-
-A Ctrl-C at the terminal (scripts/test) goes to the whole foreground process group. The commands the tests run
-(docker compose, the docker CLI, shells) are kept out of it: each runs in a session of its own (`run`), so the
-Ctrl-C reaches pytest alone, which kills each running command's whole process group at once and then takes the
-projects down (`docker compose down`, the containers stopped in seconds), shielded from a second Ctrl-C until
-they are gone. Before, every `compose up` got the Ctrl-C too and stopped its containers gracefully (up to the
-trainer's 60 s stop_grace_period) while pytest killed only its direct child: an orphaned `up` went on (and could
-start the next service after the clean-up), and a second Ctrl-C left containers running.
-"""
+"""Helpers of the container tests: paths, a clean environment, compose projects."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from helpers import free_port
 
@@ -50,59 +38,16 @@ def clean_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def run(args, *, input=None, capture_output: bool = False, timeout: float | None = None, check: bool = False,
-        **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run in a session of its own (see the module's docstring): on a timeout or a Ctrl-C its whole
-    process group is killed, not only its first process."""
-    if capture_output:
-        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
-    with subprocess.Popen(args, start_new_session=True, stdin=subprocess.PIPE if input is not None else None,
-                          **kwargs) as process:
-        try:
-            stdout, stderr = process.communicate(input, timeout=timeout)
-        except BaseException:  # a timeout, or KeyboardInterrupt
-            _kill_group(process)
-            process.wait()
-            raise
-    if check and process.returncode:
-        raise subprocess.CalledProcessError(process.returncode, process.args, stdout, stderr)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-@contextlib.contextmanager
-def shielded(what: str) -> Iterator[None]:
-    """A clean-up a Ctrl-C does not cut short (it would leave containers running): a Ctrl-C meanwhile says so."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
-        yield
-        return
-
-    def note(signum, frame):
-        print(f"\n(Ctrl-C: {what} first; it takes seconds)", file=sys.stderr, flush=True)
-
-    previous = signal.signal(signal.SIGINT, note)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def build_env() -> dict[str, str]:
     """How to build the CPU image on this machine (see the module docstring)."""
     env: dict[str, str] = {}
     if os.environ.get("CPU_BASE_IMAGE"):
         env["CPU_BASE_IMAGE"] = os.environ["CPU_BASE_IMAGE"]
-    elif run(["docker", "image", "inspect", LOCAL_BASE], capture_output=True).returncode == 0:
+    elif subprocess.run(["docker", "image", "inspect", LOCAL_BASE], capture_output=True).returncode == 0:
         env["CPU_BASE_IMAGE"] = LOCAL_BASE
     if os.environ.get("CPU_TORCH_SOURCE"):
         env["CPU_TORCH_SOURCE"] = os.environ["CPU_TORCH_SOURCE"]
-    elif run(["docker", "image", "inspect", WHEELHOUSE_IMAGE], capture_output=True).returncode == 0:
+    elif subprocess.run(["docker", "image", "inspect", WHEELHOUSE_IMAGE], capture_output=True).returncode == 0:
         env["CPU_TORCH_SOURCE"] = "wheelhouse"
     if env.get("CPU_TORCH_SOURCE") == "wheelhouse":
         env["WHEELHOUSE_IMAGE"] = os.environ.get("WHEELHOUSE_IMAGE") or WHEELHOUSE_IMAGE
@@ -148,8 +93,8 @@ class Project:
 
     def run(self, *args: str, profile: str | tuple[str, ...] | None = "cpu", timeout: float = 300, check: bool = True,
             **env: str) -> subprocess.CompletedProcess:
-        out = run(self.argv(*args, profile=profile), cwd=ROOT, env={**self.env, **env}, capture_output=True,
-                  text=True, timeout=timeout)
+        out = subprocess.run(self.argv(*args, profile=profile), cwd=ROOT, env={**self.env, **env},
+                             capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise AssertionError(f"{' '.join(out.args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
         return out
@@ -159,8 +104,7 @@ class Project:
         log = open(self.dir / f"up-{len(self.background)}.log", "w")
         self.logfiles.append(log)
         proc = subprocess.Popen(self.argv("up", "--no-build", *args, profile=profile), cwd=ROOT,
-                                env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # a Ctrl-C is pytest's alone (the module's docstring)
+                                env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)
         self.background.append(proc)
         return proc
 
@@ -212,11 +156,12 @@ class Project:
         return json.loads((self.runs / "summary.json").read_text())
 
     def down(self) -> None:
-        with shielded(f"taking {self.name} down"):
-            for proc in self.background:  # no `up` may go on (and start services) while the project goes down
-                if proc.poll() is None:
-                    _kill_group(proc)
+        self.run("down", "-v", "--remove-orphans", "--timeout", "20", profile="*", check=False, timeout=180)
+        for proc in self.background:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
                 proc.wait()
-            self.run("down", "-v", "--remove-orphans", "--timeout", "20", profile="*", check=False, timeout=180)
         for log in self.logfiles:
             log.close()

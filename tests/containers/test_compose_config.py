@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from containerlib import COMPOSE_FILE, EMPTY_ENV_FILE, MULTINODE_FILE, ROOT, clean_env, run
+from containerlib import COMPOSE_FILE, EMPTY_ENV_FILE, MULTINODE_FILE, ROOT, clean_env
 
 FILES = {"compose.yaml": COMPOSE_FILE, "compose.multinode.yaml": MULTINODE_FILE}
 PROFILE_SERVICES = {"gpu": {"trainer", "tensorboard"}, "cpu": {"trainer-cpu", "summary-cpu"},
@@ -23,7 +23,7 @@ ENV_EXAMPLE = ROOT / ".env.example"
 
 def compose_config(compose_cli, file, *args: str, env_file=EMPTY_ENV_FILE, **env: str):
     """(parsed config, stderr) of `docker compose -f FILE ARGS config --format json`."""
-    out = run([*compose_cli, "-f", str(file), "--env-file", str(env_file), *args,
+    out = subprocess.run([*compose_cli, "-f", str(file), "--env-file", str(env_file), *args,
                           "config", "--format", "json"],
                          cwd=ROOT, env=clean_env(**env), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"compose config failed:\n{out.stderr}"

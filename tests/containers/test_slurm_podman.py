@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from containerlib import CPU_IMAGE, run
+from containerlib import CPU_IMAGE
 from helpers import REPO
 from slurmcluster import SlurmJob
 
@@ -29,11 +29,11 @@ PODMAN_OPTIONS = "--ulimit nofile=4096:4096 --ulimit nproc=16384:16384"
 def podman_image(cpu_image) -> str:
     if shutil.which("podman") is None:
         pytest.fail("podman is not installed (apt-get install podman; .ci/run does)", pytrace=False)
-    done = run(["podman", "pull", "--quiet", f"docker-daemon:{CPU_IMAGE}"], capture_output=True,
+    done = subprocess.run(["podman", "pull", "--quiet", f"docker-daemon:{CPU_IMAGE}"], capture_output=True,
                           text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     yield done.stdout.strip().splitlines()[-1]  # the image id, the same as Docker's
-    run(["podman", "image", "prune", "--force"], capture_output=True)  # earlier runs' images
+    subprocess.run(["podman", "image", "prune", "--force"], capture_output=True)  # earlier runs' images
 
 
 def test_the_image_under_slurm_and_podman_trains_on_two_nodes_one_container_each(cluster, podman_image, tmp_path):
