@@ -249,9 +249,8 @@ class Changed:
     old: Any
     new: Any
 
-    def __str__(self) -> str:
-        where = f"{self.name}" + (f" group {self.group}" if self.group else "")
-        return f"{where} {self.key} {_shown(self.old)} -> {_shown(self.new)}"
+    def __str__(self) -> str:  # the same for every group that has it (shown once)
+        return f"{self.name} {self.key} {_shown(self.old)} -> {_shown(self.new)}"
 
 
 def _shown(value: Any) -> str:

@@ -100,6 +100,8 @@ def check(root: Path, cfg: TrainConfig, workers: int) -> Report:
     if jobs:
         from multiprocessing import get_context
 
+        from trainer.data import jpeg  # noqa: F401 (torch, PIL: imported once, before the workers fork)
+
         with get_context("fork").Pool(max(1, min(workers, len(jobs)))) as pool:
             reasons = pool.map(_decode, jobs, chunksize=max(1, min(64, len(jobs) // (4 * workers) or 1)))
         report.bad = [{"path": path, "reason": why} for (path, _, _), why in zip(jobs, reasons) if why is not None]

@@ -343,8 +343,8 @@ class Run:
         if self.door == BUILT_IN and point.door == BUILT_IN:
             changes = [f"{flag_name(name)} {old} -> {new}" for name, old, new in
                        changed_settings(self.settings, point.config)]
-        else:
-            changes = [str(change) for change in self.checkpointer.changed]
+        else:  # each change once, though every parameter group of the optimizer has it
+            changes = list(dict.fromkeys(str(change) for change in self.checkpointer.changed))
         if changes:
             log.info("settings changed since %s, applied: %s (the schedule goes on from step %d with them)",
                      point.path.name, ", ".join(changes), self.position.step)
