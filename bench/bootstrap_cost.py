@@ -1,6 +1,6 @@
 """`python -m bench.bootstrap_cost`: what the launcher's bootstrap adds to a worker's start, in milliseconds.
 
-Every worker trainer-launch starts begins in trainer.cluster.bootstrap (the parent-death signal, the sentinel
+Every worker trainer-launch starts begins in trainer.parallel.bootstrap (the parent-death signal, the sentinel
 fork, faulthandler, the progress stream, the join watch, its record) before the program's first line. This
 starts the same tiny program (no torch import: only the difference is measured) both ways, interleaved, with a
 records folder as the supervisor gives one, and reports the median of each and of their paired differences.
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         plain, booted = [], []
         for _ in range(args.runs):
             plain.append(start([sys.executable, str(program)], env))
-            booted.append(start([sys.executable, "-m", "trainer.cluster.bootstrap", str(program)], env))
+            booted.append(start([sys.executable, "-m", "trainer.parallel.bootstrap", str(program)], env))
     differences = [b - p for p, b in zip(plain, booted)]
     print(f"plain start {statistics.median(plain) * 1e3:.1f} ms, through the bootstrap "
           f"{statistics.median(booted) * 1e3:.1f} ms: the bootstrap adds {statistics.median(differences) * 1e3:.1f} ms "

@@ -82,7 +82,7 @@ def _rank_of_worker(pid: int) -> int | None:
     except OSError:
         return None
     program = argv[argv.index(b"-m") + 1:] if b"-m" in argv else []
-    if program[:1] == [b"trainer.cluster.bootstrap"]:
+    if program[:1] == [b"trainer.parallel.bootstrap"]:
         program = program[1:][program[1:2] == [b"-m"]:]
     if program[:1] != [b"trainer"]:
         return None

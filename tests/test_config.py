@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import dataclasses
 import os
 from pathlib import Path
@@ -155,7 +157,8 @@ def test_the_settings_page_is_what_the_code_says():
     import sys
 
     from trainer.cli.settings_page import PAGE, render, shown_default
-    from trainer.cluster.launch import LAUNCHER_SETTINGS
+    from trainer.config import launcher
+    from trainer.config.launcher import LAUNCHER_SETTINGS
 
     check = subprocess.run([sys.executable, "-m", "trainer.cli.settings_page", "--check"], capture_output=True,
                            text=True, timeout=60)
@@ -167,8 +170,10 @@ def test_the_settings_page_is_what_the_code_says():
         row = rows.get(flag_name(f.name))
         assert row is not None, f"docs/settings.md has no row for {flag_name(f.name)}"
         assert f"`{env_name(f.name)}`" in row and shown_default(f.default) in row, row
-    # Each launcher variable is one trainer/cluster/ reads by that name (a renamed variable fails here).
+    # Each launcher variable is one trainer/cluster/ or the launcher's settings reader reads by that name (a renamed
+    # variable fails here).
     cluster_source = "".join(p.read_text() for p in (Path(__file__).parents[1] / "trainer" / "cluster").glob("*.py"))
+    cluster_source += inspect.getsource(launcher.read)
     for var in LAUNCHER_SETTINGS:
         assert f"| `{var.name}` | {var.default} |" in page
         assert f'"{var.name}"' in cluster_source, f"nothing in trainer/cluster reads {var.name}"

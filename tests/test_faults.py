@@ -212,7 +212,7 @@ def test_the_failure_that_came_first_is_the_one_reported():
     """torchrun's failure records: the peer it SIGTERMed in the same second is not the cause."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from trainer.cluster.supervisor import describe_child_failure
+    from trainer.cluster.agent import describe_child_failure
 
     def failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
         record = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="/nonexistent")

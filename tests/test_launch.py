@@ -22,7 +22,8 @@ from helpers import (
     srun_task_env,
 )
 
-from trainer.cluster.launch import build_command, preflight_enabled, torchrun_command
+from trainer.cluster.launch import build_command, torchrun_command
+from trainer.config import launcher
 from trainer.cluster.topology import LAUNCHER, resolve
 from trainer.core.errors import UsageError
 
@@ -40,7 +41,7 @@ def no_gpus() -> int:
 def test_single_node_defaults():
     assert build_command({}, ["--model", "cnn"], gpu_count=no_gpus).command == [
         "torchrun", "--nnodes=1", "--node-rank=0", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-        "--master-port=29500", "--max-restarts=0", "--rdzv-conf=timeout=900", "-m", "trainer", "--model", "cnn"]
+        "--master-port=29500", "--max-restarts=0", "--shutdown-timeout=55", "--rdzv-conf=timeout=900", "-m", "trainer", "--model", "cnn"]
 
 
 def test_single_node_defaults_to_one_process_per_gpu():
@@ -52,7 +53,7 @@ def test_multi_node():
            "MASTER_PORT": "29400", "MAX_RESTARTS": "3", "RDZV_TIMEOUT": "60"}
     assert build_command(env, ["--epochs", "2", "--global-batch-size", "256"], gpu_count=no_gpus).command == [
         "torchrun", "--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--master-addr=10.0.0.5",
-        "--master-port=29400", "--max-restarts=3", "--rdzv-conf=timeout=60",
+        "--master-port=29400", "--max-restarts=3", "--shutdown-timeout=55", "--rdzv-conf=timeout=60",
         "-m", "trainer", "--epochs", "2", "--global-batch-size", "256"]
 
 
@@ -61,7 +62,7 @@ def test_torchrun_command_of_a_topology():
     assert topology.world_size == 24
     assert torchrun_command(topology, []) == [
         "torchrun", "--nnodes=3", "--node-rank=2", "--nproc-per-node=8", "--master-addr=head",
-        "--master-port=29500", "--max-restarts=0", "--rdzv-conf=timeout=900", "-m", "trainer"]
+        "--master-port=29500", "--max-restarts=0", "--shutdown-timeout=55", "--rdzv-conf=timeout=900", "-m", "trainer"]
 
 
 def test_rank_and_world_size_without_nnodes_run_one_worker():
@@ -116,7 +117,7 @@ def test_nccl_flag_without_a_gpu_is_the_workers_one_line(tmp_path):
 @pytest.mark.parametrize("word, enabled", [("", True), ("1", True), ("Yes", True), (" on ", True),
                                            ("0", False), ("false", False), ("NO", False), ("off", False)])
 def test_preflight_words(word, enabled):
-    assert preflight_enabled({"PREFLIGHT": word}) is enabled
+    assert launcher.read({"PREFLIGHT": word}, elastic=False).preflight is enabled
 
 
 def test_preflight_runs_the_doctor(tmp_path):

@@ -60,7 +60,7 @@ def test_the_launcher_the_topology_and_the_preflight_import_no_torch(tmp_path):
     """Importing them, resolving the topology, `trainer-launch --dry-run` and the preflight's checks of the
     default run on this GPU-less host: none imports torch."""
     assert not _imports_torch("import trainer.cluster.launch, trainer.cluster.topology, trainer.cluster.doctor, "
-                              "trainer.cluster.supervisor, trainer.config.settings", tmp_path)
+                              "trainer.cluster.agent, trainer.parallel.bootstrap, trainer.config.settings", tmp_path)
     assert not _imports_torch("import os\nfrom trainer.cluster.topology import LAUNCHER, resolve\n"
                               "resolve(os.environ, LAUNCHER, lambda: 0)", tmp_path)
     assert not _imports_torch("import contextlib, io\nfrom trainer.cluster import launch\n"

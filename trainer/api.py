@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from trainer.core.errors import UsageError
 from trainer.data.sampling import ResumableSampler, epoch_shard
-from trainer.parallel.stop import GracefulStop
+from trainer.parallel.supervised import GracefulStop
 from trainer.engine.models import Objective
 from trainer.engine.run import Run
 from trainer.engine.validate import Validator, eval_shard, evaluate

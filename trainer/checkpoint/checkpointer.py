@@ -38,7 +38,7 @@ from trainer.config.settings import ELASTIC_WORLD_ENV
 from trainer.core.errors import Diverged, EchoedUsageError, UsageError
 from trainer.parallel import collectives
 from trainer.parallel.context import DistContext
-from trainer.parallel.stop import writing
+from trainer.parallel.supervised import writing
 from trainer.parallel.strategy import is_sharded, weights_are_finite
 
 log = logging.getLogger("trainer")

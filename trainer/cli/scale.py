@@ -12,8 +12,8 @@ communication-bound and more GPUs mostly add cost. Everything after `--` goes to
 Across nodes: run the trainer with trainer-launch at NNODES=1, 2, 4 ... (same per-process batch),
 then `trainer-scale --from-summaries run1/summary.json run2/summary.json ... --out scaling`.
 
-A failed run stops the sweep with its own exit code and error: the runs go through trainer.cluster.supervisor
-(torchrun in-process), which reports a failure as one line naming the rank.
+A failed run stops the sweep with its own exit code and error: the runs go through trainer-launch (one host, no
+preflight), which reports a failure as one line naming the rank.
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ def reject_harness_flags(trainer_args: list[str], owned: dict[str, str], setting
 
 
 def torchrun_command(nproc: int) -> list[str]:
-    """torchrun on this host, run in-process by trainer.cluster.supervisor: a failed run ends in one line naming
-    the rank and exits with the worker's code, instead of torchrun's traceback."""
-    return [sys.executable, "-m", "trainer.cluster.supervisor", "--standalone", f"--nproc-per-node={nproc}"]
+    """trainer-launch on this host alone with nproc workers (as torchrun --standalone): a failed run ends in one
+    line naming the rank and exits with the worker's code, instead of torchrun's traceback."""
+    return ["env", "-u", "NODE_RANK", "-u", "MASTER_ADDR", f"NPROC_PER_NODE={nproc}", "NNODES=1", "PREFLIGHT=0",
+            sys.executable, "-m", "trainer.cluster.launch"]
 
 
 def exit_with_failed_run(done: subprocess.CompletedProcess) -> None:
-    """Relay a failed run's stderr (the worker's own error, then the supervisor's line) and exit with its code."""
+    """Relay a failed run's stderr (the worker's own error, then the launcher's line) and exit with its code."""
     sys.stderr.write(done.stderr)
     raise SystemExit(done.returncode if done.returncode > 0 else 1)  # killed by a signal: still a failure
 

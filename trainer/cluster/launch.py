@@ -1,36 +1,13 @@
-"""`trainer-launch`: the container entrypoint. Topology from the environment -> torchrun.
+"""`trainer-launch`: the container entrypoint. Topology from the environment -> torch's elastic agent.
 
     trainer-launch [TRAINING OPTIONS]          the built-in trainer (`python -m trainer`) on every process
     trainer-launch my_train.py [ARGS]          your own script on every process (torchrun's convention)
     trainer-launch -m mypkg.train [ARGS]       your own module, as `python -m mypkg.train` would run it
     trainer-launch --dry-run [...]             print the resolved topology and the command as JSON; start nothing
 
-    NNODES (1)  NODE_RANK (0)  NPROC_PER_NODE (visible GPUs, or 2 without GPUs)
-    NNODES=MIN:MAX  elastic membership: torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT assigns node
-                 ranks (no NODE_RANK); a lost host's peers go on from the newest checkpoint with as few as MIN
-                 hosts and the same global batch, and a host that returns joins (MAX_RESTARTS then 10)
-    MASTER_ADDR (127.0.0.1 on one node; required on several)
-    MASTER_PORT (29500 on several nodes; unset on one node: a free port, as torchrun --standalone takes)
-    or what Slurm, Kubeflow (Trainer v2 PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set:
-    trainer/cluster/topology.py reads them, in the order its docstring and docs/clusters.md give.
-    MAX_RESTARTS (0)  RDZV_TIMEOUT (seconds, 900)  PREFLIGHT (1: run trainer-doctor first)
-    HANG_TIMEOUT (seconds, 600; 0: off)  no progress for this long (no step, or for a script not on trainer.api
-                 no output line, on any rank): every rank's stack is printed, the stuck ranks named, the job ended
-    TRAIN_SCRIPT (unset)  a script path, or -m and a module, used when the command line names none:
-                 TRAIN_SCRIPT=/workspace/src/train.py  or  TRAIN_SCRIPT="-m mypkg.train"
-    SCRIPT_LAUNCH (auto)  per-host: the script starts its own processes (mp.spawn, a tcp:// init_method with its
-                 own ranks): run it once per host, without torchrun; torchrun: a copy per rank; auto: per-host
-                 when its source calls torch.multiprocessing's spawn or joins at a tcp:// address
-
-The built-in trainer's options are validated here, before torchrun starts, so a mistake is one line
-and exit code 2, never a hang. A script's or module's arguments are its own; the launcher checks that
-the script is a file or that the module can be found (without running it), then runs it under the same
-torchrun, with the same topology, preflight, restarts and one-line failure summary naming the rank
-(after the script's own traceback). trainer.api gives such a script the built-in trainer's process
-group setup, resumable sampler, checkpoints, SIGTERM stop and TensorBoard logging.
-The launcher then replaces itself with torchrun (exec of trainer.cluster.supervisor, which is torchrun's own
-code in the same process), so signals reach torchrun directly.
-A container given RANK and WORLD_SIZE but no node layout (one process per container) runs the worker itself.
+Its settings (environment variables, or a .env file; docs/settings.md), besides what Slurm, Kubeflow (Trainer v2
+PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set (trainer/cluster/topology.py reads them, in the
+order docs/clusters.md gives):
 """
 
 from __future__ import annotations
@@ -49,80 +26,60 @@ from typing import Callable, Mapping, Sequence
 
 from trainer.cluster import topology as topo
 from trainer.cluster.gpus import visible_gpu_count
-from trainer.cluster.topology import Topology, env_int
-from trainer.cluster.watchdog import DEFAULT_HANG_TIMEOUT
+from trainer.cluster.topology import Topology
+from trainer.config import launcher
 from trainer.config.catalog import importable_as_python_m
 from trainer.config.resume import check_resume
-from trainer.config.settings import (
-    ELASTIC_WORLD_ENV,
-    FALSE_WORDS,
-    LAUNCHER_VARIABLES,
-    TRUE_WORDS,
-    TrainConfig,
-    check_gpu_options,
-    load_config,
-    script_settings,
-)
+from trainer.config.launcher import LauncherSettings, help_table
+from trainer.config.settings import ELASTIC_WORLD_ENV, LAUNCHER_VARIABLES, TrainConfig, check_gpu_options, \
+    load_config, script_settings
 from trainer.core.errors import UsageError, exit_on_usage_error, first_line, print_error
 
-DEFAULT_RDZV_TIMEOUT = 900
-DEFAULT_ELASTIC_RESTARTS = 10  # each lost or returning host is one restart of every host's workers
+EPILOG = """
+
+The built-in trainer's options are validated here, before any worker starts, so a mistake is one line and exit
+code 2, never a hang. A script's or module's arguments are its own; the launcher checks that the script is a file
+or that the module can be found (without running it), then runs it under the same agent, with the same topology,
+preflight, restarts and one-line failure summary naming the rank (after the script's own traceback). trainer.api
+gives such a script the built-in trainer's process group setup, resumable sampler, checkpoints, SIGTERM stop and
+TensorBoard logging. The launcher runs torch's elastic agent (what torchrun runs) in its own process, so signals
+reach it directly, and prints the torchrun command that does the same by hand. A container given RANK and
+WORLD_SIZE but no node layout (one process per container) runs the worker itself.
+"""
+
 ELASTIC_RDZV_ID = "trainer"
 ELASTIC_LAST_CALL_S = 5
 ELASTIC_KEEP_ALIVE_S, ELASTIC_KEEP_ALIVE_MISSED = 2, 3  # a host silent for 6 s has left the round
 SCRIPT_ENV = "TRAIN_SCRIPT"
 assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs accepts it
 BUILTIN = ("-m", "trainer")
-
-
 DRY_RUN = "--dry-run"
 
 
 @dataclass(frozen=True)
-class Variable:
-    """One launcher setting: an environment variable trainer-launch (or its preflight, its supervisor) reads."""
-    name: str
-    default: str
-    meaning: str
-
-
-# The launcher's settings, the one list docs/settings.md is generated from (python -m trainer.cli.settings_page);
-# tests/test_config.py checks that each name is read in trainer/cluster/ and the page is in step with this list.
-LAUNCHER_SETTINGS = (
-    Variable("NNODES", "1", "hosts in the job; MIN:MAX (e.g. 1:2) for elastic membership: the c10d rendezvous at "
-             "MASTER_ADDR:MASTER_PORT assigns node ranks, a lost host's peers go on from the newest checkpoint with "
-             "as few as MIN hosts and the same global batch, a returning host joins (docs/elastic.md)"),
-    Variable("NODE_RANK", "0", "this host's index, 0 .. NNODES-1; rank 0 lives on host 0 (unset under NNODES=MIN:MAX)"),
-    Variable("NPROC_PER_NODE", "visible GPUs, or 2 without GPUs", "worker processes on this host"),
-    Variable("MASTER_ADDR", "127.0.0.1 on one host; required on several", "address of the NODE_RANK=0 host"),
-    Variable("MASTER_PORT", f"a free port on one host (as torchrun --standalone); {topo.DEFAULT_MASTER_PORT} on "
-             "several", "rendezvous port on the NODE_RANK=0 host"),
-    Variable("MAX_RESTARTS", "0 (10 under NNODES=MIN:MAX)", "times torchrun restarts the workers after a failure (they resume from the newest "
-             "checkpoint); each restart is one line: restart 1 of 2: rank 1 was killed by SIGKILL; ..."),
-    Variable("HANG_TIMEOUT", str(DEFAULT_HANG_TIMEOUT), "seconds without progress (a step; for a script not on "
-             "trainer.api, an output line) before the launcher prints every rank's stack, names the ranks not in a "
-             "collective and ends the job (exit 1); 0 turns it off"),
-    Variable("SCRIPT_LAUNCH", "auto", "per-host: your script starts its own processes (mp.spawn, a tcp:// init with "
-             "its own ranks), so it runs once per host, without torchrun; torchrun: a copy per rank; auto tells them "
-             "apart by the source (docs/scripts.md)"),
-    Variable("RDZV_TIMEOUT", str(DEFAULT_RDZV_TIMEOUT), "seconds to wait for every host to join"),
-    Variable("PREFLIGHT", "1", "run trainer-doctor before training; 0 skips it"),
-    Variable(SCRIPT_ENV, "unset", "your own script (a path, or -m and a module) when the command line names none"),
-)
+class Rendezvous:
+    """How the hosts meet: torchrun's static rendezvous at node 0's store, or (NNODES=MIN:MAX) its c10d one."""
+    backend: str
+    endpoint: str
+    run_id: str
+    config: dict
+    local_addr: str | None = None
 
 
 @dataclass(frozen=True)
 class Launch:
-    """What trainer-launch execs, for which topology, with which training options (None: a user's script).
-    per_host: why the script runs once on this host instead of once per rank (it starts its own processes)."""
+    """What trainer-launch runs, for which topology, with which training options (None: a user's script).
+    command: the equivalent command (torchrun's, or the one process's); per_host: why the script runs once on this
+    host instead of once per rank (it starts its own processes)."""
     command: list[str]
     topology: Topology
     cfg: TrainConfig | None
     per_host: str | None = None
+    settings: LauncherSettings | None = None
+    program: Program | None = None
+    rendezvous: Rendezvous | None = None
 
 
-SCRIPT_LAUNCH_ENV = "SCRIPT_LAUNCH"
-SCRIPT_LAUNCH_CHOICES = ("auto", "torchrun", "per-host")
 # The tutorials' own launchers: torch.multiprocessing's spawn (mp.spawn(train, nprocs=gpus)), and a tcp://
 # init_method with the script's own rank and world size. Either makes a copy per rank under torchrun wrong:
 # each copy spawns a whole host's worth, or claims the same rank.
@@ -131,18 +88,13 @@ SPAWNS = re.compile(r"\b(?:mp|multiprocessing|torch\.multiprocessing)\.(?:spawn|
 TCP_INIT = re.compile(r"""["']tcp://""")
 
 
-def launches_itself(program: Program, env: Mapping[str, str]) -> str | None:
+def launches_itself(program: Program, choice: str) -> str | None:
     """Why a script is to run once per host (it starts or ranks its processes itself); None: once per rank.
     SCRIPT_LAUNCH=torchrun or per-host overrides what the script's source suggests."""
-    choice = env.get(SCRIPT_LAUNCH_ENV, "").strip().lower() or "auto"
-    if choice not in SCRIPT_LAUNCH_CHOICES:
-        raise UsageError(SCRIPT_LAUNCH_ENV, f"'{choice}' is not one of {', '.join(SCRIPT_LAUNCH_CHOICES)}",
-                         "per-host runs a script that starts its own processes (mp.spawn) once on each host; "
-                         "torchrun runs a copy per rank; auto (the default) tells them apart by the source")
     if program.builtin or choice == "torchrun":
         return None
     if choice == "per-host":
-        return f"{SCRIPT_LAUNCH_ENV}=per-host"
+        return "SCRIPT_LAUNCH=per-host"
     path = program.target[0] if program.target[0] != "-m" else _module_file(program.target[1])
     try:
         source = "\n".join(line for line in open(path, encoding="utf-8", errors="replace").read().splitlines()
@@ -290,41 +242,38 @@ def address_toward(host: str, port: int) -> str | None:
     return address
 
 
+def rendezvous(topology: Topology, settings: LauncherSettings) -> Rendezvous:
+    """Static: the node rank decides the ranks, so rank 0 is on node 0. Elastic (NNODES=MIN:MAX): torchrun's c10d
+    rendezvous at MASTER_ADDR:MASTER_PORT, which assigns node ranks at every round."""
+    endpoint = f"{topology.master_addr}:{topology.master_port}"
+    if not topology.elastic:
+        return Rendezvous("static", endpoint, "none", {"rank": topology.node_rank, "timeout": settings.rdzv_timeout})
+    # last_call: how long a round waits for more hosts once MIN are in; short, so a lost host costs seconds. A host
+    # that comes later joins the next round (the running hosts stop for it). keep_alive: a lost host's place in the
+    # finished round is freed only once its heartbeats are this many intervals late; until then the hosts left
+    # wait (torch's 5 s x 3 was most of a regroup).
+    config = {"join_timeout": settings.rdzv_timeout, "last_call_timeout": ELASTIC_LAST_CALL_S,
+              "keep_alive_interval": ELASTIC_KEEP_ALIVE_S, "keep_alive_max_attempt": ELASTIC_KEEP_ALIVE_MISSED}
+    if (role := store_role(topology.master_addr, topology.master_port)) is not None:
+        config["is_host"] = role
+    return Rendezvous("c10d", endpoint, ELASTIC_RDZV_ID, config,
+                      address_toward(topology.master_addr, topology.master_port))
+
+
 def torchrun_command(topology: Topology, args: Sequence[str], target: Sequence[str] = BUILTIN,
-                     max_restarts: int = 0, rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT) -> list[str]:
-    """Static rendezvous at MASTER_ADDR:MASTER_PORT: the node rank decides the ranks, so rank 0 is on node 0.
-    Elastic (NNODES=MIN:MAX): torchrun's c10d rendezvous there, which assigns node ranks at every round."""
-    if topology.elastic:
-        return [
-            "torchrun",
-            f"--nnodes={topology.node_range}",
-            f"--nproc-per-node={topology.nproc_per_node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={topology.master_addr}:{topology.master_port}",
-            f"--rdzv-id={ELASTIC_RDZV_ID}",
-            f"--max-restarts={max_restarts}",
-            # last_call: how long a round waits for more hosts once MIN are in; short, so a lost host costs
-            # seconds. A host that comes later joins the next round (the running hosts stop for it).
-            # keep_alive: a lost host's place in the finished round is freed only once its heartbeats are this
-            # many intervals late; until then the hosts left wait (torch's 5 s x 3 was most of a regroup).
-            f"--rdzv-conf=join_timeout={rdzv_timeout},last_call_timeout={ELASTIC_LAST_CALL_S},"
-            f"keep_alive_interval={ELASTIC_KEEP_ALIVE_S},keep_alive_max_attempt={ELASTIC_KEEP_ALIVE_MISSED}"
-            + ("" if (role := store_role(topology.master_addr, topology.master_port)) is None else f",is_host={role}"),
-            *([f"--local-addr={local}"] if (local := address_toward(topology.master_addr, topology.master_port))
-              else []),
-            *target, *args,
-        ]
-    return [
-        "torchrun",
-        f"--nnodes={topology.nnodes}",
-        f"--node-rank={topology.node_rank}",
-        f"--nproc-per-node={topology.nproc_per_node}",
-        f"--master-addr={topology.master_addr}",
-        f"--master-port={topology.master_port}",
-        f"--max-restarts={max_restarts}",
-        f"--rdzv-conf=timeout={rdzv_timeout}",
-        *target, *args,
-    ]
+                     settings: LauncherSettings | None = None, rdzv: Rendezvous | None = None) -> list[str]:
+    """The torchrun command that runs what the launcher's agent runs (printed, for running it by hand)."""
+    settings = settings or launcher.read({}, topology.elastic)
+    rdzv = rdzv or rendezvous(topology, settings)
+    common = [f"--max-restarts={settings.max_restarts}", f"--shutdown-timeout={settings.workers_grace}"]
+    conf = "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv.config.items() if k != "rank")
+    if not topology.elastic:
+        return ["torchrun", f"--nnodes={topology.nnodes}", f"--node-rank={topology.node_rank}",
+                f"--nproc-per-node={topology.nproc_per_node}", f"--master-addr={topology.master_addr}",
+                f"--master-port={topology.master_port}", *common, conf, *target, *args]
+    return ["torchrun", f"--nnodes={topology.node_range}", f"--nproc-per-node={topology.nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", *common, conf,
+            *([f"--local-addr={rdzv.local_addr}"] if rdzv.local_addr else []), *target, *args]
 
 
 def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) -> list[str]:
@@ -333,36 +282,32 @@ def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) 
 
 def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count,
                   pick_port: bool = False) -> Launch:
-    """The command to exec, its topology and the training options it runs with, validated on the way.
+    """What to run, its topology, settings and the training options it runs with, validated on the way.
     pick_port: on one host with MASTER_PORT unset, take a free port (not for --dry-run, which starts nothing)."""
     program = choose_program(argv, env)
     # All but the world-size checks, before counting GPUs (which may import torch).
     options = load_config(list(program.args), env, world_size=1) if program.builtin else None
     topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
+    settings = launcher.read(env, topology.elastic)
     if pick_port and topology.mode == topo.TORCHRUN and topology.nnodes == 1 and not topology.elastic and \
             topology.sources.get("master_port", "default") == "default":
         topology = replace(topology, master_port=free_port(),
                            sources={**topology.sources, "master_port": "a free port (one host, MASTER_PORT unset)"})
-    if topology.mode == topo.DIRECT:  # this process is one rank already: no torchrun
-        command = single_worker_command(program.args, program.target)
-    else:
-        default_restarts = DEFAULT_ELASTIC_RESTARTS if topology.elastic else 0
-        if topology.elastic and not env.get("MAX_RESTARTS", "").strip():  # Kubeflow's elasticPolicy.maxRestarts
-            default_restarts = env_int(env, "PET_MAX_RESTARTS", default_restarts, 0, source="torchrun-env")
-        max_restarts = env_int(env, "MAX_RESTARTS", default_restarts, 0)
-        env_int(env, "HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT, 0)  # the supervisor's watchdog reads it
-        rdzv_timeout = env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1)
-        command = torchrun_command(topology, program.args, program.target, max_restarts, rdzv_timeout)
+    launch = Launch(single_worker_command(program.args, program.target), topology, None, None, settings, program)
+    if topology.mode == topo.TORCHRUN:  # else this process is one rank already: no agent
+        rdzv = rendezvous(topology, settings)
+        launch = replace(launch, command=torchrun_command(topology, program.args, program.target, settings, rdzv),
+                         rendezvous=rdzv)
     if options is None:
         # A script on trainer.api reads the same TRAIN_* settings (its keyword arguments win over them): a bad
-        # value fails here in one line, not once per rank after torchrun has started them.
+        # value fails here in one line, not once per rank after the workers have started.
         script_settings({}, env, world_size=topology.world_size)
-        why = launches_itself(program, env) if topology.mode == topo.TORCHRUN else None
+        why = launches_itself(program, settings.script_launch) if topology.mode == topo.TORCHRUN else None
         if why is not None:
-            return Launch(single_worker_command(program.args, program.target), topology, None, why)
-        return Launch(command, topology, None)
+            return replace(launch, command=single_worker_command(program.args, program.target), per_host=why)
+        return launch
     if topology.mode == topo.TORCHRUN:
-        # The worker's own check, before torchrun starts ranks that would each fail with it.
+        # The worker's own check, before the workers start ranks that would each fail with it.
         check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, topology.world_size)
     if topology.elastic:  # every world size the job may shrink to must take the settings (the global batch)
         env = {**env, ELASTIC_WORLD_ENV: str(topology.world_size)}
@@ -371,41 +316,36 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
             try:
                 load_config(list(program.args), env, world_size=size)
             except UsageError as err:
-                setting, problem, fix = err.parts
-                every = math.lcm(*sizes) * options.grad_accum
-                if setting.startswith("the elastic job's global batch"):  # derived from --batch-size
-                    total = options.batch_size * topology.world_size * options.grad_accum
-                    near = sorted({max(every, total // every * every), -(-total // every) * every})
-                    raise UsageError(setting.split("(")[1].split(" at ")[0], f"{options.batch_size} per process "
-                                     f"makes a global batch of {total} at world size {topology.world_size}, which "
-                                     f"world size {size} of NNODES={topology.node_range} does not divide (an elastic "
-                                     "job keeps its global batch at every size)", "set --global-batch-size to a "
-                                     f"multiple of {every}, e.g. {' or '.join(map(str, near))}") from None
-                if "global_batch" in setting.lower().replace("-", "_"):
-                    fix = (f"use a multiple of {every}, which every world size of NNODES={topology.node_range} "
-                           "x grad-accum divides")
-                raise UsageError(setting, f"{problem}, a world size this elastic job may shrink to "
-                                 f"(NNODES={topology.node_range})", fix) from None
+                raise elastic_batch_error(err, options, topology, sizes, size) from None
     check_resume(options)  # what it would resume: an empty file, another model's checkpoint (read without torch)
-    return Launch(command, topology, load_config(list(program.args), env, world_size=topology.world_size))
+    return replace(launch, cfg=load_config(list(program.args), env, world_size=topology.world_size))
+
+
+def elastic_batch_error(err: UsageError, options: TrainConfig, topology: Topology, sizes: list[int],
+                        size: int) -> UsageError:
+    setting, problem, fix = err.parts
+    every = math.lcm(*sizes) * options.grad_accum
+    if setting.startswith("the elastic job's global batch"):  # derived from --batch-size
+        total = options.batch_size * topology.world_size * options.grad_accum
+        near = sorted({max(every, total // every * every), -(-total // every) * every})
+        return UsageError(setting.split("(")[1].split(" at ")[0], f"{options.batch_size} per process makes a global "
+                          f"batch of {total} at world size {topology.world_size}, which world size {size} of NNODES="
+                          f"{topology.node_range} does not divide (an elastic job keeps its global batch at every "
+                          f"size)", f"set --global-batch-size to a multiple of {every}, e.g. "
+                          f"{' or '.join(map(str, near))}")
+    if "global_batch" in setting.lower().replace("-", "_"):
+        fix = f"use a multiple of {every}, which every world size of NNODES={topology.node_range} x grad-accum divides"
+    return UsageError(setting, f"{problem}, a world size this elastic job may shrink to (NNODES={topology.node_range})",
+                      fix)
 
 
 def free_port() -> int:
     """A port nothing listens on now, as torchrun --standalone takes one: with host networking a fixed default
-    collides with whatever else runs on the host. (Taken by another process before torchrun binds it, the
+    collides with whatever else runs on the host. (Taken by another process before the agent binds it, the
     rendezvous error says so.)"""
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def preflight_enabled(env: Mapping[str, str]) -> bool:
-    raw = env.get("PREFLIGHT", "").strip()
-    if raw.lower() in ("", *TRUE_WORDS):  # unset or empty: the default, on
-        return True
-    if raw.lower() in FALSE_WORDS:
-        return False
-    raise UsageError("PREFLIGHT", f"'{raw}' is not a boolean", "use 1 to run trainer-doctor first or 0 to skip it")
 
 
 def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
@@ -422,7 +362,7 @@ def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, li
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] in (["-h"], ["--help"]):
-        print(__doc__.strip())
+        print(__doc__ + help_table() + EPILOG)
         print("\nThe built-in trainer's options (python -m trainer --help):")
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     dry_run, args = split_dry_run(args, os.environ)
@@ -432,8 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_host = {} if launch.per_host is None else {"once_per_host": launch.per_host}
             print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
             return 0
-        preflight = preflight_enabled(os.environ)
-        if launch.topology.mode == topo.TORCHRUN and not launch.topology.elastic:  # c10d: any host may host it
+        if launch.rendezvous is not None and not launch.topology.elastic:  # c10d: any host may host it
             ensure_master_port_free(launch.topology)
         if launch.topology.elastic:
             os.environ[ELASTIC_WORLD_ENV] = str(launch.topology.world_size)
@@ -441,24 +380,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
             # trips an AssertionError): every round publishes its own without the sharing.
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    print(launch.topology.summary(), file=sys.stderr, flush=True)
-    if preflight:
+    for line in [launch.topology.summary(), *launcher.grace_warnings(os.environ, launch.settings.stop_grace)]:
+        print(line, file=sys.stderr, flush=True)
+    if launch.settings.preflight:
         run_preflight(launch.cfg)
-    command = launch.command
+    program = [*launch.program.target, *launch.program.args]
     if launch.per_host is not None:
-        program = shlex.join(command[1:3] if command[1] == "-m" else command[1:2])
-        print(f"{program} starts its own processes ({launch.per_host}): running it once on this host, without "
+        shown = shlex.join(program[:2] if program[0] == "-m" else program[:1])
+        print(f"{shown} starts its own processes ({launch.per_host}): running it once on this host, without "
               "torchrun, with NNODES, NODE_RANK, NPROC_PER_NODE, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its "
-              f"environment ({SCRIPT_LAUNCH_ENV}=torchrun runs a copy per rank instead)",
-              file=sys.stderr, flush=True)
+              "environment (SCRIPT_LAUNCH=torchrun runs a copy per rank instead)", file=sys.stderr, flush=True)
         os.environ.update(per_host_env(launch.topology))
-    print("+ " + shlex.join(command), file=sys.stderr, flush=True)
-    if command[0] == "torchrun":  # the same torchrun, in-process, reporting failures in one line
-        command = [sys.executable, "-m", "trainer.cluster.supervisor", *command[1:]]
-    elif launch.per_host is not None:  # the script under the same bootstrap and the same truthful end
-        command = [sys.executable, "-m", "trainer.cluster.supervisor", "--per-host", *command[1:]]
-    os.execvp(command[0], command)
-    return 0  # not reached
+    print("+ " + shlex.join(launch.command), file=sys.stderr, flush=True)
+    if launch.rendezvous is None and launch.per_host is None:  # one rank of its own: it becomes the worker
+        os.execvp(launch.command[0], launch.command)
+    from trainer.cluster import agent
+
+    return agent.run_once(launch, program) if launch.per_host is not None else agent.run(launch, program)
 
 
 def ensure_master_port_free(topology: Topology) -> None:

@@ -147,3 +147,15 @@ def store_client(at: tuple[str, int], timeout_s: float):
 def label(node_rank: str) -> str:
     host = socket.gethostname()
     return f"node {node_rank} (host {host})" if node_rank.isdigit() else f"host {host}"
+
+
+def newest_attempt(store, own: int) -> int:
+    """The attempt a static job's group meets under: this host's restart count, or the newest any host of the job
+    has reached if that is later. A host whose launcher was started again counts its restarts from 0 while the
+    others are at their Nth restart, waiting for it under prefix N; under its own count it would meet the stale
+    keys of a group long gone. The newest is kept in the store, only ever raised."""
+    key, value = "trainer/newest-attempt", str(own)
+    current = store.compare_set(key, "", value).decode()
+    while int(current) < own:  # another host wrote a smaller one between: raise it, unless a larger one came
+        current = store.compare_set(key, current, value).decode()
+    return int(current)

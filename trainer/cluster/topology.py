@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
+from trainer.config import launcher
 from trainer.core.errors import UsageError
 
 DEFAULT_MASTER_PORT = 29500
@@ -149,27 +150,11 @@ def _label(var: str, source: str | None) -> str:
     return var if source is None else f"{var} ({source})"
 
 
-def _fix_for(var: str, source: str | None, what: str) -> str:
-    if source in (None, "explicit"):
-        return f"set {var} to {what}"
-    return f"{var} comes from {SOURCES[source]}: find what overwrote it (job script, image ENV) or unset it"
-
-
 def env_int(env: Mapping[str, str], var: str, default: int | None, minimum: int, maximum: int | None = None,
             source: str | None = None) -> int:
-    """An integer environment setting, or the one-line error naming it (and its source, for topology)."""
-    raw = env.get(var, "").strip()
-    if not raw:
-        if default is None:
-            raise UsageError(_label(var, source), "is not set", _fix_for(var, source, "a whole number"))
-        return default
-    if not re.fullmatch(r"[+-]?[0-9]+", raw):  # int() would also take '1_000' and other digits than 0-9
-        raise UsageError(_label(var, source), f"'{raw}' is not an integer", _fix_for(var, source, "a whole number"))
-    value = int(raw)
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
-        raise UsageError(_label(var, source), f"{value} is out of range", _fix_for(var, source, f"a value {bounds}"))
-    return value
+    """An integer environment setting, or the one-line error naming it and its source."""
+    return launcher.env_int(env, var, default, minimum, maximum, _label(var, source),
+                            None if source in (None, "explicit") else SOURCES[source])
 
 
 def _given(env: Mapping[str, str], var: str) -> bool:

@@ -23,7 +23,6 @@ from typing import Callable
 from trainer.cluster import workers
 from trainer.cluster.presence import store_client
 
-DEFAULT_HANG_TIMEOUT = 600  # seconds: well under torch's 30-minute collective default, above a slow first step
 HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 # Where a rank waits for its peers: torch's collectives, DDP's reducer (inside backward) and the trainer's own.
@@ -31,7 +30,8 @@ COLLECTIVE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.se
               f"{os.sep}torch{os.sep}autograd{os.sep}", f"{os.sep}trainer{os.sep}parallel{os.sep}")
 LIBRARY = ("site-packages", "dist-packages", "<frozen")
 HOST = socket.gethostname()
-NOISE = re.compile(r'File "(<frozen runpy>|.*trainer/cluster/bootstrap\.py)"')  # how the program was started
+BOOTSTRAP = f"trainer{os.sep}parallel{os.sep}bootstrap.py"
+NOISE = re.compile(r'File "(<frozen runpy>|.*trainer/parallel/bootstrap\.py)"')  # how the program was started
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,11 @@ def main_thread(dump: str) -> list[Frame]:
             threads.append([])
         elif (match := FRAME.match(line)) and threads:
             threads[-1].append(Frame(match["file"], int(match["line"]), match["func"]))
-    bootstrap = f"trainer{os.sep}cluster{os.sep}bootstrap.py"
-    return next((t for t in threads if any(f.file.endswith(bootstrap) for f in t)), threads[-1] if threads else [])
+    return next((t for t in threads if any(f.file.endswith(BOOTSTRAP) for f in t)), threads[-1] if threads else [])
 
 
 def in_collective(frames: list[Frame]) -> bool:
-    return any(any(part in f.file for part in COLLECTIVE) for f in frames)
+    return any(any(part in f.file for part in COLLECTIVE) for f in frames if not f.file.endswith(BOOTSTRAP))
 
 
 def stuck_at(frames: list[Frame]) -> Frame:
@@ -67,7 +66,7 @@ def stuck_at(frames: list[Frame]) -> Frame:
     bootstrap); else the innermost frame."""
     stdlib = (os.path.dirname(os.__file__),)
     own = [f for f in frames if not any(part in f.file for part in LIBRARY) and not f.file.startswith(stdlib)
-           and f"trainer{os.sep}cluster{os.sep}" not in f.file]
+           and not f.file.endswith(BOOTSTRAP)]
     return (own or frames)[0]
 
 
@@ -106,7 +105,7 @@ class Progress:
 
 
 class Watchdog(threading.Thread):
-    """Started by the supervisor before torchrun's agent; `fired` holds the one-line verdict once it acted."""
+    """Started by the agent before its workers; `fired` holds the one-line verdict once it acted."""
 
     def __init__(self, folder: Path, timeout: float, store_at: tuple[str, int] | None, stop: Callable[[], None]):
         super().__init__(name="hang-watchdog", daemon=True)
@@ -164,15 +163,3 @@ def probe(folder: Path, running: list[workers.Worker], show: bool) -> tuple[list
             where = stuck_at(frames).where()
             outside.append(f"rank {w.rank} (host {HOST}) is not in the collective: stuck at {where}")
     return outside, waiting
-
-
-def stuck_peers() -> str | None:
-    """For a worker whose collective just failed: which other ranks of this host are not inside it (None: all
-    are, or there is no launcher's folder to ask through)."""
-    folder = workers.agent_dir()
-    if folder is None:
-        return None
-    me = workers.this_rank()
-    peers = [w for w in workers.read_workers(folder) if w.rank != me and w.exit is None and w.alive]
-    outside, _ = probe(folder, peers, show=False) if peers else ([], [])
-    return "; ".join(outside) or None

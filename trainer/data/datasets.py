@@ -33,7 +33,7 @@ from trainer.data.sampling import batch_range, epoch_shard
 from trainer.parallel.collectives import local_main_first
 from trainer.parallel.compat import private
 from trainer.parallel.context import DistContext
-from trainer.parallel.stop import GracefulStop
+from trainer.parallel.supervised import GracefulStop
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,8 @@ from typing import Any, Callable, Iterable, Iterator
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
 from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position
 from trainer.checkpoint.store import CheckpointError
-from trainer.cluster import workers
-from trainer.cluster.supervisor import stop_host_agent
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
-from trainer.cluster.watchdog import stuck_peers
 from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, check_gpu_options, flag_name, script_settings
 from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
 from trainer.data.sampling import ResumableSampler
@@ -43,7 +40,7 @@ from trainer.parallel import collectives
 from trainer.parallel.collectives import MainRankFailed
 from trainer.parallel.compat import private
 from trainer.parallel.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
-from trainer.parallel.stop import GracefulStop, StopVote
+from trainer.parallel.supervised import Supervised, stuck_peers
 from trainer.parallel.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
 from trainer.observe.metrics import setup_logging
 from trainer.observe.observers import Observers
@@ -103,8 +100,7 @@ class Run:
         self._names = (self.settings.model, self.settings.dataset) if self.door == BUILT_IN else (None, None)
         self._steps_per_epoch: int | None = None
         self._epochs: int | None = None
-        self._stop: GracefulStop | None = None
-        self._vote = StopVote(self.ctx)
+        self._supervised = Supervised(self.ctx)  # what this process does for its launcher
         self._training = False   # epochs(), steps() or step() has begun
         self._ended = False      # the last step (max_steps, or the planned total) is done
         self._epoch_start = time.perf_counter()
@@ -457,14 +453,14 @@ class Run:
     def _after_step(self, micro: int, samples: int, epoch_done: bool, scalars: dict[str, Any]) -> bool:
         pos = self.position
         self.position = Position(pos.epoch, pos.batch + micro, pos.step + 1)
-        workers.progress()  # for the launcher's hang watchdog
+        self._supervised.step_done()
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
         if self._local_sgd is not None:
             self._local_sgd.after_step(step)
         lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
         self.observers.after_step(step, pos.epoch, samples * self.world_size, last, lr, scalars, self._check_weights)
-        stopping = self._vote.vote(self._stop.requested)
+        stopping = self._supervised.vote.vote(self._supervised.requested)
         if stopping or (not epoch_done and (last or self.checkpointer.due(step))):
             self.save(background=not (stopping or last))
         self.stopped = self.stopped or stopping
@@ -511,8 +507,7 @@ class Run:
             self._require(what)
         self._training = True
         self._ended_mid_epoch = False
-        if self._stop is None:
-            self._stop = GracefulStop()
+        self._supervised.start()
         model = self._model if self._model is not None else self.checkpointer.objects.model
         if model is not None and self._optimizers:
             self.observers.attach(model, self._wrapped if self._wrapped is not None else model, self._optimizers[0],
@@ -545,12 +540,11 @@ class Run:
             return self._finished
         code = 0
         if self._training:
-            self.stopped = self._vote.finish() or self.stopped  # every rank leaves with no collective in flight
+            self.stopped = self._supervised.vote.finish() or self.stopped  # leave with no collective in flight
             if self.checkpointer.last_requested != self.position.step:
                 self.save()
             self.checkpointer.wait()  # the last one committed before the summary says so
-        if self._stop is not None:
-            self._stop.close()
+        self._supervised.close()
         self.observers.close()
         if self._training and self.resumed_from is not None and self.position.step == self.resumed_from \
                 and not self.stopped:
@@ -563,19 +557,9 @@ class Run:
                                              self.observers.throughput.samples_per_step, self.resumed_from,
                                              *self._workload_names())
             code = 0 if self.observers.write_summary(summary) else 1
-        elsewhere = self.stopped and self._stop is not None and not self._stop.requested
-        if elsewhere and os.environ.get(ELASTIC_WORLD_ENV) and os.environ.get(workers.AGENT_DIR_ENV):
-            # Elastic: the host that was stopped leaves; this one goes on. Its agent restarts the workers, the
-            # hosts left meet again and resume from the stop's checkpoint at the new world size.
-            if self.is_local_main:
-                log.warning("the stop was requested on another host, which leaves this elastic job: this host's "
-                            "workers start again with the hosts left, from the checkpoint of step %d",
-                            self.position.step)
-            code = workers.HOST_LEFT_EXIT_CODE
-        elif elsewhere and self.is_local_main and stop_host_agent(os.environ):
-            log.warning("the stop was requested on another host: stopping this host's launcher too")
-        if self.stopped and self.checkpointer.last_committed == self.position.step:
-            workers.note(committed=f"step {self.position.step}")  # the launcher's last line says so
+        left = self._supervised.leave(self.stopped, self.position.step,
+                                      self.checkpointer.last_committed == self.position.step)
+        code = left or code
         self._close()
         self._finished = code
         return code

@@ -18,6 +18,7 @@ from typing import TypeVar
 from trainer.cluster.topology import Topology
 from trainer.config.settings import check_gpu_options
 from trainer.core.errors import UsageError, first_line
+from trainer.parallel.supervised import group_store_prefix
 
 T = TypeVar("T")
 log = logging.getLogger("trainer")
@@ -111,32 +112,18 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
                       RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank))
     timeout = datetime.timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
-        # torchrun's static rendezvous keeps one store across restarts of the worker group, so the
-        # killed group's gloo addresses are still in it: a restarted rank would dial a dead peer.
-        # A key prefix per attempt gives each group a clean slate.
+    prefix = group_store_prefix(lambda: dist.TCPStore(topology.master_addr, topology.master_port, is_master=False,
+                                                      timeout=timeout))
+    if prefix is not None:
+        # A store kept across restarts of the worker group (the agent's) still holds the killed group's gloo
+        # addresses: a restarted rank would dial a dead peer. A key prefix per attempt gives each group a clean slate.
         store = dist.TCPStore(topology.master_addr, topology.master_port, is_master=False, timeout=timeout)
-        attempt = newest_attempt(store, int(attempt))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"trainer/attempt-{attempt}", store),
-                                rank=topology.rank, world_size=topology.world_size, timeout=timeout,
-                                device_id=device_id)
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=topology.rank,
+                                world_size=topology.world_size, timeout=timeout, device_id=device_id)
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(topology, backend, device, control)
-
-
-def newest_attempt(store, own: int) -> int:
-    """The attempt this rank's group meets under: its agent's restart count, or the newest any rank of the job
-    has reached if that is later. A host whose launcher was started again counts its restarts from 0 while the
-    others are at their Nth restart, waiting for it under prefix N; under its own count it would meet the
-    stale keys of a group long gone. The newest is kept in the store, only ever raised."""
-    key, value = "trainer/newest-attempt", str(own)
-    current = store.compare_set(key, "", value).decode()
-    while int(current) < own:  # another rank wrote a smaller one between: raise it, unless a larger one came
-        current = store.compare_set(key, current, value).decode()
-    return int(current)
 
 
 # gloo raises plain RuntimeErrors; these words tell a lost peer from a bug (whose traceback must show).

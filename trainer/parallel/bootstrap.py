@@ -1,7 +1,7 @@
-"""Every worker the launcher's torchrun starts begins here, then runs the program as Python would.
+"""Every worker the launcher's agent starts begins here, then runs the program as Python would.
 
-    python -m trainer.cluster.bootstrap my_train.py ARGS      as `python my_train.py ARGS`
-    python -m trainer.cluster.bootstrap -m mypkg.train ARGS   as `python -m mypkg.train ARGS`
+    python -m trainer.parallel.bootstrap my_train.py ARGS      as `python my_train.py ARGS`
+    python -m trainer.parallel.bootstrap -m mypkg.train ARGS   as `python -m mypkg.train ARGS`
 
 Before the program's first line it:
 - ties the worker's life to its launcher: the kernel kills the worker when the launcher dies
@@ -10,25 +10,116 @@ Before the program's first line it:
 - registers faulthandler on STACKS_SIGNAL, so the launcher's hang watchdog can read every thread's stack
   without ptrace (containers rarely allow it);
 - counts each line the program writes to stdout or stderr as progress, for the watchdog;
-- records the worker's pid, then how it ended (workers.py), so the launcher says truthfully what a stop did.
+- records the worker's pid, then how it ended, so the launcher says truthfully what a stop did.
 
+The records are files in the folder the agent names in TRAINER_AGENT_DIR (their format, and the agent's reading
+of them: trainer/cluster/workers.py); this module writes them, for the bootstrap and for trainer.api's Run. A
+worker started by plain torchrun or srun has no folder, and every function below then does nothing.
 Torch-free, so that it adds nothing to a worker's start but a fork.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
+import json
 import os
 import runpy
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
-from trainer.cluster import workers
+from trainer.cluster.workers import AGENT_DIR_ENV, PROGRESS_EVERY, STACKS_SIGNAL, read_workers
+from trainer.core.files import atomic_file
 
 SENTINEL_SIGNAL = signal.SIGRTMIN + 5  # the sentinel's parent-death signal: nothing else sends it
+
+
+# ------------------------------------------------------------------ this worker's record
+
+def agent_dir() -> Path | None:
+    raw = os.environ.get(AGENT_DIR_ENV, "")
+    return Path(raw) if raw and os.path.isdir(raw) else None
+
+
+def this_rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def _write(path: Path, facts: dict) -> None:
+    """Whole or not at all: the agent may read while a worker writes (not durable: the folder lives as long as
+    the job)."""
+    with atomic_file(path, "w", durable=False) as f:
+        f.write(json.dumps(facts))
+
+
+def group() -> str:
+    """Which start of the worker group this worker belongs to: the agent's restart count, with the world size and
+    the group's store port, which an elastic round changes without counting a restart."""
+    return "/".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE", "MASTER_PORT"))
+
+
+def start() -> None:
+    """A new worker's record (a restarted rank's replaces its predecessor's). An earlier group's records go: after
+    an elastic round the ranks are others (this host's 2 and 3 became 0 and 1), and what the agent reads of this
+    host's workers (the end of a stop, its exit status) is this group's."""
+    folder = agent_dir()
+    if folder is not None:
+        mine = group()
+        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "group": mine})
+        for w in read_workers(folder):
+            if w.group != mine:
+                with contextlib.suppress(OSError):
+                    (folder / f"rank-{w.rank}.json").unlink()
+        progress()
+
+
+def note(**facts) -> None:
+    """Add facts to this rank's record (nothing without an agent)."""
+    folder = agent_dir()
+    if folder is None:
+        return
+    path = folder / f"rank-{this_rank()}.json"
+    try:
+        record = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        record = {}
+    try:
+        _write(path, {**record, **facts})
+    except OSError:
+        pass  # the folder went away with its agent: nobody is left to read it
+
+
+_progress_path: Path | None | bool = False  # False: not looked up yet
+_next_touch = 0.0
+
+
+def progress() -> None:
+    """This rank made progress (a completed step, a line of output). Cheap: one clock read, and a file
+    touch at most once a second."""
+    global _progress_path, _next_touch
+    now = time.monotonic()
+    if now < _next_touch:
+        return
+    _next_touch = now + PROGRESS_EVERY
+    if _progress_path is False:
+        folder = agent_dir()
+        _progress_path = None if folder is None else folder / f"rank-{this_rank()}.progress"
+    if _progress_path is not None:
+        try:
+            _progress_path.touch()
+        except OSError:
+            _progress_path = None
+
+
+# ------------------------------------------------------------------ the process
 
 
 def _on_parent_death(sig: int) -> bool:
@@ -94,7 +185,7 @@ def watch_for_a_process_group() -> None:
         started = time.monotonic()
         while not _joined():
             time.sleep(0.05 if time.monotonic() - started < 30 else 1.0)
-        workers.note(joined=True)
+        note(joined=True)
 
     threading.Thread(target=watch, name="trainer-join-watch", daemon=True).start()
 
@@ -105,12 +196,14 @@ FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "transformers")
 def single_process_frameworks() -> list[str]:
     """Frameworks that ran this rank as a job of one although the launcher started several: accelerate on
     CPUs without ACCELERATE_USE_CPU joins torchrun's process group, then trains as DistributedType.NO."""
-    found = []
     state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
-    if isinstance(shared, dict) and shared.get("num_processes") == 1 and workers.world_size() > 1:
-        found.append("accelerate")
-    return found
+    if state is None or world_size() < 2:
+        return []
+    from trainer.parallel.compat import private  # at the end only: the start stays at its few imports
+
+    # Its Borg state holds what the user's Accelerator decided; the public PartialState() would initialise one.
+    shared = private("accelerate's PartialState._shared_state", lambda: state.PartialState._shared_state)
+    return ["accelerate"] if isinstance(shared, dict) and shared.get("num_processes") == 1 else []
 
 
 def note_the_end(code: int) -> None:
@@ -121,7 +214,7 @@ def note_the_end(code: int) -> None:
         pass
     if _joined():
         facts["joined"] = True
-    workers.note(**facts)
+    note(**facts)
 
 
 class _Beating:
@@ -131,11 +224,11 @@ class _Beating:
         self._stream = stream
 
     def write(self, text):
-        workers.progress()
+        progress()
         return self._stream.write(text)
 
     def writelines(self, lines):
-        workers.progress()
+        progress()
         return self._stream.writelines(lines)
 
     def __getattr__(self, name):
@@ -143,17 +236,17 @@ class _Beating:
 
 
 def prepare() -> None:
-    folder = workers.agent_dir()
+    folder = agent_dir()
     if folder is None:
         return
     die_with_parent()
     start_sentinel()
-    rank = workers.this_rank()
+    rank = this_rank()
     path = folder / f"rank-{rank}.stacks"
     path.write_text("")  # a restarted rank's own file; appended to, so the watchdog may empty it between dumps
     stacks = open(path, "a")  # noqa: SIM115 (open for the process's lifetime)
-    faulthandler.register(workers.STACKS_SIGNAL, file=stacks, all_threads=True)
-    workers.start()
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+    start()
     sys.stdout, sys.stderr = _Beating(sys.stdout), _Beating(sys.stderr)
     watch_for_a_process_group()
 

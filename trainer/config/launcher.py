@@ -1,0 +1,175 @@
+"""The launcher's settings: one declaration, read once (torch-free).
+
+trainer-launch's --help, its docstring and docs/settings.md are generated from LAUNCHER_SETTINGS, as the
+training options' are from TrainConfig. The topology variables (NNODES ... MASTER_PORT) are read by the one
+topology resolver (trainer/cluster/topology.py); the others by `read()`, once, before anything starts: a bad
+value is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from trainer.core.errors import UsageError
+
+DEFAULT_RDZV_TIMEOUT = 900
+DEFAULT_HANG_TIMEOUT = 600  # seconds: well under torch's 30-minute collective default, above a slow first step
+DEFAULT_ELASTIC_RESTARTS = 10  # each lost or returning host is one restart of every host's workers
+DEFAULT_STOP_GRACE = "60s"  # compose.yaml's default stop_grace_period: one grace period end to end
+SCRIPT_LAUNCH_CHOICES = ("auto", "torchrun", "per-host")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+# Where a platform's own grace period is visible to the launcher: compose.yaml passes its stop_grace_period,
+# the Kubernetes manifests their terminationGracePeriodSeconds (tests/test_k8s_manifests.py keeps them equal).
+PLATFORM_GRACE = {"COMPOSE_STOP_GRACE_PERIOD": "compose's stop_grace_period",
+                  "TERMINATION_GRACE_PERIOD_SECONDS": "the pod's terminationGracePeriodSeconds"}
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One launcher setting: an environment variable trainer-launch reads (default and meaning as shown)."""
+    name: str
+    default: str
+    meaning: str
+
+
+LAUNCHER_SETTINGS = (
+    Variable("NNODES", "1", "hosts in the job; MIN:MAX (e.g. 1:2) for elastic membership: the c10d rendezvous at "
+             "MASTER_ADDR:MASTER_PORT assigns node ranks, a lost host's peers go on from the newest checkpoint with "
+             "as few as MIN hosts and the same global batch, a returning host joins (docs/elastic.md)"),
+    Variable("NODE_RANK", "0", "this host's index, 0 .. NNODES-1; rank 0 lives on host 0 (unset under NNODES=MIN:MAX)"),
+    Variable("NPROC_PER_NODE", "visible GPUs, or 2 without GPUs", "worker processes on this host"),
+    Variable("MASTER_ADDR", "127.0.0.1 on one host; required on several", "address of the NODE_RANK=0 host"),
+    Variable("MASTER_PORT", "a free port on one host (as torchrun --standalone); 29500 on several",
+             "rendezvous port on the NODE_RANK=0 host"),
+    Variable("MAX_RESTARTS", f"0 ({DEFAULT_ELASTIC_RESTARTS} under NNODES=MIN:MAX)", "times the launcher restarts the "
+             "workers after a failure (they resume from the newest checkpoint); each restart is one line: "
+             "restart 1 of 2: rank 1 (host H) was killed by SIGKILL; ..."),
+    Variable("HANG_TIMEOUT", str(DEFAULT_HANG_TIMEOUT), "seconds without progress (a step; for a script not on "
+             "trainer.api, an output line) before the launcher prints every rank's stack, names the ranks not in a "
+             "collective and ends the job (exit 1); 0 turns it off"),
+    Variable("STOP_GRACE_PERIOD", DEFAULT_STOP_GRACE, "how long a stop may take (Compose's name and duration: 70s, "
+             "1m30s; or seconds): after SIGTERM the workers get this less a few seconds (the launcher's room to "
+             "report) to checkpoint and exit before they are killed; also the longest wait for the other hosts "
+             "once this host's workers are done. compose.yaml and the Kubernetes manifests give the container as "
+             "long"),
+    Variable("SCRIPT_LAUNCH", "auto", "per-host: your script starts its own processes (mp.spawn, a tcp:// init with "
+             "its own ranks), so it runs once per host, without torchrun; torchrun: a copy per rank; auto tells them "
+             "apart by the source (docs/scripts.md)"),
+    Variable("RDZV_TIMEOUT", str(DEFAULT_RDZV_TIMEOUT), "seconds to wait for every host to join"),
+    Variable("PREFLIGHT", "1", "run trainer-doctor before training; 0 skips it"),
+    Variable("TRAIN_SCRIPT", "unset", "your own script (a path, or -m and a module) when the command line names none"),
+)
+
+
+def help_table(width: int = 13) -> str:
+    """The settings as trainer-launch --help (and its docstring) shows them."""
+    return "\n".join(f"    {v.name} ({v.default})\n{' ' * width}{v.meaning}" for v in LAUNCHER_SETTINGS)
+
+
+def env_int(env: Mapping[str, str], var: str, default: int | None, minimum: int, maximum: int | None = None,
+            label: str | None = None, origin: str | None = None) -> int:
+    """An integer environment setting, or the one-line error naming it (label: with where it came from; origin:
+    what set it, when not the user)."""
+    raw, label = env.get(var, "").strip(), label or var
+    fix = (lambda what: f"set {var} to {what}") if origin is None else (
+        lambda what: f"{var} comes from {origin}: find what overwrote it (job script, image ENV) or unset it")
+    if not raw:
+        if default is None:
+            raise UsageError(label, "is not set", fix("a whole number"))
+        return default
+    if not re.fullmatch(r"[+-]?[0-9]+", raw):  # int() would also take '1_000' and other digits than 0-9
+        raise UsageError(label, f"'{raw}' is not an integer", fix("a whole number"))
+    value = int(raw)
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+        raise UsageError(label, f"{value} is out of range", fix(f"a value {bounds}"))
+    return value
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h|d)")
+
+
+def duration_s(raw: str) -> float | None:
+    """Seconds in a Compose duration (Go's: 1m30s, 1.5h, 500ms) or a bare number of seconds; None if neither."""
+    text = raw.strip()
+    if re.fullmatch(r"\d+(\.\d*)?", text):
+        return float(text)
+    if not text or _DURATION.sub("", text):
+        return None
+    return sum(float(number) * _UNITS[unit] for number, unit in _DURATION.findall(text))
+
+
+def grace_s(env: Mapping[str, str], var: str = "STOP_GRACE_PERIOD", default: str | None = DEFAULT_STOP_GRACE) -> float:
+    raw = env.get(var, "").strip() or default
+    seconds = duration_s(raw)
+    if seconds is None or seconds < 1:
+        what = "is not a duration" if seconds is None else "leaves no time to stop (1 s at least)"
+        raise UsageError(var, f"'{raw}' {what}", f"give a duration such as {DEFAULT_STOP_GRACE} or 1m30s (Compose's "
+                         "format; a bare number is seconds): the time a stop's checkpoint may take")
+    return seconds
+
+
+def grace_warnings(env: Mapping[str, str], grace: float) -> list[str]:
+    """One line for each platform grace period, visible here, that a stop would outlast: the platform kills the
+    container before the workers' checkpoint is written."""
+    lines = []
+    for var, what in PLATFORM_GRACE.items():
+        raw = env.get(var, "").strip()
+        theirs = duration_s(raw) if raw else None
+        if theirs is not None and grace > theirs:
+            lines.append(f"warning: STOP_GRACE_PERIOD ({grace:g} s) is longer than {what} ({var}={raw}, {theirs:g} s):"
+                         f" the platform kills the container first; give both the same time")
+    return lines
+
+
+def workers_grace_s(grace: float) -> int:
+    """The workers' share of a stop's grace period, in whole seconds (torchrun's --shutdown-timeout): the launcher
+    keeps a few seconds to report and leave (under compose and Kubernetes, before their SIGKILL of the container)."""
+    return max(1, int(grace - min(5.0, grace / 5)))
+
+
+def boolean(env: Mapping[str, str], var: str, default: bool, meaning: str) -> bool:
+    raw = env.get(var, "").strip()
+    if not raw:
+        return default
+    if raw.lower() in TRUE_WORDS + FALSE_WORDS:
+        return raw.lower() in TRUE_WORDS
+    raise UsageError(var, f"'{raw}' is not a boolean", meaning)
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    """What trainer-launch and its agent do besides the topology, read once by read()."""
+    max_restarts: int
+    rdzv_timeout: int
+    hang_timeout: int
+    stop_grace: float  # seconds
+    script_launch: str
+    preflight: bool
+
+    @property
+    def workers_grace(self) -> int:
+        return workers_grace_s(self.stop_grace)
+
+
+def read(env: Mapping[str, str], elastic: bool) -> LauncherSettings:
+    restarts = DEFAULT_ELASTIC_RESTARTS if elastic else 0
+    if elastic and not env.get("MAX_RESTARTS", "").strip():  # Kubeflow's elasticPolicy.maxRestarts
+        restarts = env_int(env, "PET_MAX_RESTARTS", restarts, 0, label="PET_MAX_RESTARTS (torchrun-env)",
+                           origin="torchrun's PET_* variables (Kubeflow Trainer v2's torch runtime sets them)")
+    choice = env.get("SCRIPT_LAUNCH", "").strip().lower() or "auto"
+    if choice not in SCRIPT_LAUNCH_CHOICES:
+        raise UsageError("SCRIPT_LAUNCH", f"'{choice}' is not one of {', '.join(SCRIPT_LAUNCH_CHOICES)}",
+                         "per-host runs a script that starts its own processes (mp.spawn) once on each host; "
+                         "torchrun runs a copy per rank; auto (the default) tells them apart by the source")
+    return LauncherSettings(
+        max_restarts=env_int(env, "MAX_RESTARTS", restarts, 0),
+        rdzv_timeout=env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1),
+        hang_timeout=env_int(env, "HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT, 0),
+        stop_grace=grace_s(env, "STOP_GRACE_PERIOD"),
+        script_launch=choice,
+        preflight=boolean(env, "PREFLIGHT", True, "use 1 to run trainer-doctor first or 0 to skip it"))
