@@ -119,6 +119,18 @@ def test_pods_run_as_the_images_user_with_shm_and_checkpoints_on_a_claim(workloa
         assert pod.pod_spec["enableServiceLinks"] is False  # no Service can shadow MASTER_PORT
 
 
+@pytest.mark.parametrize("workload", [*WORKLOADS, "pytorchjob-elastic"])
+def test_a_stop_has_one_grace_period_the_launcher_sees_and_fits_in(workload):
+    """The pod's terminationGracePeriodSeconds is in its environment (the launcher warns when STOP_GRACE_PERIOD would
+    outlast it), and the launcher's default STOP_GRACE_PERIOD fits in it."""
+    from trainer.config import launcher
+
+    for pod in _pods(workload):
+        grace = pod.pod_spec["terminationGracePeriodSeconds"]
+        assert pod.env["TERMINATION_GRACE_PERIOD_SECONDS"] == str(grace)
+        assert launcher.grace_s(pod.env) <= grace and not launcher.grace_warnings(pod.env, launcher.grace_s(pod.env))
+
+
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_tensorboard_listens_on_loopback_beside_rank_0(workload):
     pod0 = _pods(workload)[0]

@@ -166,3 +166,16 @@ def test_slurm_plain_processes_form_a_world_of_two(tmp_path):
     summary = read_summary(tmp_path / "runs")
     assert (summary["world_size"], summary["backend"], summary["global_step"]) == (2, "gloo", 3)
     assert summary["samples_seen"] == 3 * 8 * 2
+
+
+def test_the_sbatch_scripts_signal_lead_time_holds_the_default_stop_grace_period():
+    """One grace period end to end: Slurm's SIGTERM before the time limit (--signal=TERM@N) leaves the launcher's
+    STOP_GRACE_PERIOD, its workers' share and its room, before the limit."""
+    import re
+    from pathlib import Path
+
+    scripts = sorted((Path(__file__).parents[1] / "slurm").glob("*.sbatch"))
+    assert scripts
+    for script in scripts:
+        lead = int(re.search(r"^#SBATCH --signal=TERM@(\d+)$", script.read_text(), re.M).group(1))
+        assert lead >= launcher.grace_s({}), script

@@ -87,7 +87,9 @@ def test_script_launch_torchrun_overrides_what_the_source_suggests(tmp_path):
 
 
 @pytest.mark.parametrize("setting, value", [("SCRIPT_LAUNCH", "always"), ("HANG_TIMEOUT", "soon"),
-                                            ("HANG_TIMEOUT", "-1")])
+                                            ("HANG_TIMEOUT", "-1"), ("STOP_GRACE_PERIOD", "0"),
+                                            ("STOP_GRACE_PERIOD", "-1"), ("STOP_GRACE_PERIOD", "abc"),
+                                            ("STOP_GRACE_PERIOD", "1m30"), ("STOP_GRACE_PERIOD", "70 s")])
 def test_bad_launcher_settings_are_one_line(tmp_path, setting, value):
     result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(USER_CODE / "tutorial_tcp.py")],
                             cwd=tmp_path, capture_output=True, text=True, env=clean_env({setting: value}), timeout=60)
@@ -119,6 +121,151 @@ def test_sigterm_to_a_script_without_a_handler_is_not_called_a_success(tmp_path,
     last = run.output().strip().splitlines()[-1]
     assert last == ("stopped by SIGTERM: ranks 0, 1 were killed before exiting (no handler for SIGTERM, or still "
                     "busy after torchrun's 30 s); no checkpoint was committed at the stop"), last
+
+
+# ------------------------------------------------------------------ one grace period
+
+SLOW_STOP = """
+import os, signal, sys, time
+import torch.distributed as dist
+
+
+def stop(signum, frame):
+    print(f"rank {os.environ['RANK']} stopping: a checkpoint that takes 40 s", flush=True)
+    time.sleep(40)
+    print(f"rank {os.environ['RANK']} done", flush=True)
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} training", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_a_40_s_stop_under_stop_grace_period_70_exits_0_with_both_ranks_done(tmp_path, launches):
+    """STOP_GRACE_PERIOD is the workers' time to stop on bare metal too (less the launcher's few seconds): a stop
+    whose checkpoint takes 40 s finishes. Before: torchrun's fixed 30 s, then SIGKILL, exit 143."""
+    (tmp_path / "slow_stop.py").write_text(SLOW_STOP)
+    run = Launch(["slow_stop.py"], tmp_path, launcher_env(free_port(), STOP_GRACE_PERIOD="70"))
+    launches.append(run)
+    wait_until(lambda: run.output().count("training") >= 2, RUN_BOUND_S, "both ranks to start")
+    os.kill(run.pid, signal.SIGTERM)
+    stopped_at = time.monotonic()
+    assert run.wait(70 + 30) == 0, run.output()[-3000:]
+    assert time.monotonic() - stopped_at >= 40
+    output = run.output()
+    assert "rank 0 done" in output and "rank 1 done" in output
+    assert "--shutdown-timeout=65 " in output  # the equivalent torchrun command says the same
+    assert output.strip().splitlines()[-1] == ("stopped by SIGTERM: every worker on this host exited 0; no checkpoint "
+                                               "was committed at the stop")
+
+
+def test_a_stop_grace_period_longer_than_the_platforms_is_one_warning(tmp_path):
+    """compose.yaml passes its own stop_grace_period (COMPOSE_STOP_GRACE_PERIOD), the Kubernetes manifests their
+    terminationGracePeriodSeconds: a longer STOP_GRACE_PERIOD (docker compose run -e ...) would be cut short."""
+    env = {"STOP_GRACE_PERIOD": "2m", "COMPOSE_STOP_GRACE_PERIOD": "60s", "TERMINATION_GRACE_PERIOD_SECONDS": "90"}
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run", str(USER_CODE /
+                            "tutorial_tcp.py")], cwd=tmp_path, capture_output=True, text=True, env=clean_env(env),
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "warning: STOP_GRACE_PERIOD (120 s) is longer than compose's stop_grace_period (COMPOSE_STOP_GRACE_PERIOD=60s,"
+        " 60 s): the platform kills the container first; give both the same time",
+        "warning: STOP_GRACE_PERIOD (120 s) is longer than the pod's terminationGracePeriodSeconds "
+        "(TERMINATION_GRACE_PERIOD_SECONDS=90, 90 s): the platform kills the container first; give both the same time"]
+    assert json.loads(result.stdout)["mode"] == "torchrun"
+    quiet = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run", str(USER_CODE /
+                           "tutorial_tcp.py")], cwd=tmp_path, capture_output=True, text=True,
+                           env=clean_env({**env, "STOP_GRACE_PERIOD": "60s"}), timeout=60)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
+LAST_STEP = """
+import os, sys, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()  # the last step, on both hosts
+rank = dist.get_rank()
+print(f"rank {rank} after its last step", flush=True)
+time.sleep(1)
+dist.destroy_process_group()
+time.sleep(30 if rank == 1 else 3)  # rank 1's host is lost here (its summary, say), rank 0's is done
+"""
+
+
+@pytest.mark.slow
+def test_a_host_lost_after_the_last_step_holds_the_others_only_stop_grace_period_and_they_say_so(tmp_path, launches):
+    """Two hosts; the second one's launcher is SIGKILLed after the last step, before its agent reaches the exit
+    barrier: the first host's workers are done, and its agent waits for the lost one at most STOP_GRACE_PERIOD,
+    announcing the wait, then exits 0 naming the host that went away. Before: torchrun's silent 300 s."""
+    (tmp_path / "last_step.py").write_text(LAST_STEP)
+    port = free_port()
+    nodes = [Launch(["last_step.py"], tmp_path, launcher_env(port, NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
+                                                             MASTER_ADDR="127.0.0.1", STOP_GRACE_PERIOD="10s"),
+                    name=f"node{node}") for node in (0, 1)]
+    launches.extend(nodes)
+    wait_until(lambda: "rank 1 after its last step" in nodes[1].output(), RUN_BOUND_S,
+               f"the last step\n{nodes[0].output()[-2000:]}\n{nodes[1].output()[-2000:]}")
+    os.kill(nodes[1].pid, signal.SIGKILL)
+    lost_at = time.monotonic()
+    assert nodes[0].wait(3 + 10 + 30) == 0, nodes[0].output()[-3000:]
+    assert time.monotonic() - lost_at >= 10
+    output = nodes[0].output()
+    assert "this host's workers are done; waiting up to 10 s (STOP_GRACE_PERIOD) for the other hosts to finish " \
+        "theirs" in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"warning: node 1 (host {socket.gethostname()}) went away (its launcher stopped "
+                           "answering the rendezvous store"), last
+    assert last.endswith("; this host's workers finished, and it stopped waiting for the other hosts after "
+                         "STOP_GRACE_PERIOD (10 s)"), last
+    assert "Traceback" not in output
+
+
+REWORD = """
+import logging, sys
+
+print("torch's elastic log reworded here", file=sys.stderr, flush=True)
+
+_log = logging.Logger._log
+
+
+def _reworded(self, level, msg, args, *rest, **kwargs):
+    if self.name.startswith("torch.distributed.elastic") and isinstance(msg, str):
+        msg = msg.replace("failed (exitcode", "ended (status").replace("exitcode", "status")
+    return _log(self, level, msg, args, *rest, **kwargs)
+
+
+logging.Logger._log = _reworded
+"""
+FAILS_ONCE = """
+import os, sys
+
+if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+print(f"rank {os.environ['RANK']} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} done", flush=True)
+"""
+
+
+def test_a_torchrun_log_line_reworded_changes_nothing_in_the_launchers_end(tmp_path):
+    """torch's agent logs every worker failure ("failed (exitcode: 3) local_rank: 1 ..."); the launcher's restart
+    line and its end come from the agent's RunResult, not from that text. Reworded (every process loads the
+    rewording: a sitecustomize on PYTHONPATH), the restart is still announced and the job still ends well."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(REWORD)
+    (tmp_path / "fails_once.py").write_text(FAILS_ONCE)
+    env = launcher_env(free_port(), MAX_RESTARTS="1", PYTHONPATH=f"{tmp_path / 'site'}:{REPO}")
+    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "fails_once.py"], cwd=tmp_path,
+                            env=clean_env(env), capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch's elastic log reworded here" in result.stderr
+    assert ("restart 1 of 1: rank 1 exited with code 3; every rank of this host starts again from the newest "
+            "checkpoint") in result.stderr, result.stderr[-3000:]
+    assert "rank 0 attempt 1 done" in result.stdout and "rank 1 attempt 1 done" in result.stdout
 
 
 # ------------------------------------------------------------------ no orphans

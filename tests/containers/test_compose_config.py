@@ -69,6 +69,9 @@ def test_trainer_has_shm_ulimits_volumes_and_a_checkpoint_grace_period(compose_c
     assert mounts["/workspace/src"]["type"] == "bind" and mounts["/workspace/src"]["source"] == str(ROOT / "src")
     assert not mounts["/checkpoints"].get("read_only") and not mounts["/runs"].get("read_only")
     assert seconds(trainer["stop_grace_period"]) >= 30
+    # One grace period: the launcher's STOP_GRACE_PERIOD and compose's own, from the same variable.
+    assert seconds(trainer["environment"]["STOP_GRACE_PERIOD"]) == seconds(trainer["stop_grace_period"])
+    assert trainer["environment"]["COMPOSE_STOP_GRACE_PERIOD"] == trainer["environment"]["STOP_GRACE_PERIOD"]
     policy, _, retries = trainer["restart"].partition(":")
     assert policy == "on-failure" and 0 < int(retries) <= 5, "bounded restarts, never on-failure:0 (= forever)"
     environment = trainer["environment"]

@@ -368,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dry_run, args = split_dry_run(args, os.environ)
     with exit_on_usage_error():
         launch = build_command(os.environ, args, pick_port=not dry_run)
+        for line in launcher.grace_warnings(os.environ, launch.settings.stop_grace):
+            print(line, file=sys.stderr, flush=True)
         if dry_run:
             per_host = {} if launch.per_host is None else {"once_per_host": launch.per_host}
             print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
@@ -380,8 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
             # trips an AssertionError): every round publishes its own without the sharing.
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    for line in [launch.topology.summary(), *launcher.grace_warnings(os.environ, launch.settings.stop_grace)]:
-        print(line, file=sys.stderr, flush=True)
+    print(launch.topology.summary(), file=sys.stderr, flush=True)
     if launch.settings.preflight:
         run_preflight(launch.cfg)
     program = [*launch.program.target, *launch.program.args]

@@ -1,38 +1,14 @@
 """Where this process sits in the job: the one topology resolver (torch-free).
 
-trainer-launch, trainer-doctor, the worker (`python -m trainer`, trainer.api) and the supervisor's
-messages all get the topology from resolve(), which reads the environment in this order:
-
-  0. torchrun, for a process it started (TORCHELASTIC_RUN_ID or GROUP_RANK set): RANK, WORLD_SIZE,
-     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and nothing else: the SLURM_* and PET_*
-     variables it inherited describe its node, not itself.
-  1. explicit: NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT.
-  2. torchrun's own PET_* variables, which Kubeflow Trainer v2's torch runtime sets: PET_NNODES,
-     PET_NPROC_PER_NODE (a number, or auto/cpu/gpu as torchrun reads them), PET_NODE_RANK,
-     PET_MASTER_ADDR, PET_MASTER_PORT.
-  3. Kubeflow PyTorchJob v1 (RANK and WORLD_SIZE beside PET_NNODES, PET_NPROC_PER_NODE or PET_NODE_RANK):
-     RANK is the pod's NODE rank, WORLD_SIZE = replicas x nprocPerNode, MASTER_ADDR, MASTER_PORT.
-  4. Slurm. One task per node (`srun --ntasks-per-node=1 trainer-launch`): nodes from
-     SLURM_STEP_NUM_NODES (else SLURM_NNODES), node rank SLURM_NODEID, master the first host of
-     SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST; parsed here: containers have no scontrol).
-     One task per GPU (`srun python -m trainer`): rank SLURM_PROCID, local rank SLURM_LOCALID, world
-     SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), tasks on this node from SLURM_STEP_TASKS_PER_NODE.
-     Either way MASTER_PORT, unless set, is derived from SLURM_JOB_ID (slurm_port), so two jobs that
-     share a node do not share a port.
-  5. a Kubernetes Indexed Job: JOB_COMPLETION_INDEX is the node rank (NNODES and MASTER_ADDR given;
-     NNODES=1 makes every index a run of its own).
-  6. SkyPilot: SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS (one per line, the first is
-     the master), SKYPILOT_NUM_GPUS_PER_NODE.
-  7. RANK and WORLD_SIZE alone: this process is that rank (one process per container).
-  8. otherwise one host: 1 node, node rank 0, one process per visible GPU (2 without), 127.0.0.1:29500.
-
-The node count, node rank, processes per node and world size must agree wherever several sources give
-them (NODE_RANK=1 beside SLURM_NODEID=0 is an error naming both); the master's address and port are
-taken from the first source that names them, so an explicit MASTER_ADDR overrides the one a controller
-derives. Every value keeps where it came from (Topology.sources), which --dry-run, trainer-doctor and
-the one-line errors show. NNODES=MIN:MAX (or Kubeflow's PET_NNODES=MIN:MAX) asks for elastic membership:
-torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT assigns node ranks, and the job goes on with as few as
-MIN hosts; a node rank given beside a range, or a range beside a fixed count, is refused.
+trainer-launch, trainer-doctor, the worker (`python -m trainer`, trainer.api) and the agent's messages all get the
+topology from resolve(), which reads torchrun's variables in a worker it started, then the explicit ones (NNODES,
+NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT), torchrun's PET_* (Kubeflow Trainer v2), a Kubeflow
+PyTorchJob v1, Slurm (one task per node or per GPU; MASTER_PORT from SLURM_JOB_ID), a Kubernetes Indexed Job,
+SkyPilot, RANK and WORLD_SIZE alone, else one host: the order and the variables of each are docs/clusters.md's
+table. Where several sources give the node count, node rank, processes per node or world size they must agree
+(NODE_RANK=1 beside SLURM_NODEID=0 is an error naming both); the master's address and port come from the first
+that names them. Every value keeps where it came from (Topology.sources), which --dry-run, trainer-doctor and the
+one-line errors show. NNODES=MIN:MAX (or PET_NNODES=MIN:MAX) asks for elastic membership (c10d rendezvous).
 """
 
 from __future__ import annotations
