@@ -165,7 +165,7 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, str]:
             ratios = {key: cell["fsdp"][key] / cell["ddp"][key] if cell["ddp"] and cell["fsdp"] and cell["ddp"][key]
                       else None for key in keys}
             table[f"{model}@{nproc}"] = {**cell, "fsdp/ddp": ratios}
-            ratio = lambda key: "-" if ratios[key] is None else f"{ratios[key]:.3f}"  # noqa: E731
+            ratio = lambda key, ratios=ratios: "-" if ratios[key] is None else f"{ratios[key]:.3f}"  # noqa: E731
             lines.append(f"| {model} | {nproc} | {shown(cell['ddp'], 'state_bytes')} | "
                          f"{shown(cell['fsdp'], 'state_bytes')} | {ratio('state_bytes')} | "
                          f"{shown(cell['ddp'], 'peak_rss', digits=0)} | {shown(cell['fsdp'], 'peak_rss', digits=0)} | "

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         run["goodput"] = round(goodput, 3)
         costs = run["per_fault"]
 
-        def median(key):
+        def median(key, costs=costs):
             values = sorted(c[key] for c in costs if c[key] is not None)
             return values[len(values) // 2] if values else None
         rows.append(f"| {run['mode']} | {run['kills']} | {run['wall_s']:.0f} s | "

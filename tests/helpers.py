@@ -82,7 +82,7 @@ def free_port() -> int:
     low, high = PORTS[0], min(PORTS[1], _ephemeral_low())
     for _ in range(2000):
         port = random.randrange(low, high)
-        lock = open(PORT_LOCKS / str(port), "a")
+        lock = open(PORT_LOCKS / str(port), "a")  # noqa: SIM115 (held until this process exits)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -178,7 +178,7 @@ class SlurmCluster:
                 str(self.root / "hosts"), *argv]
 
     def _daemon(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.root / "log" / f"{name}.stdout", "ab")
+        log = open(self.root / "log" / f"{name}.stdout", "ab")  # noqa: SIM115 (the with below closes it)
         with log:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                     start_new_session=True)

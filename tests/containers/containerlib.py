@@ -101,7 +101,7 @@ class Project:
 
     def up_attached(self, *args: str, profile: str | tuple[str, ...] | None = "cpu", **env: str) -> subprocess.Popen:
         """`docker compose [--profile P] up ARGS` in the foreground of a background process."""
-        log = open(self.dir / f"up-{len(self.background)}.log", "w")
+        log = open(self.dir / f"up-{len(self.background)}.log", "w")  # noqa: SIM115 (closed in logfiles' cleanup)
         self.logfiles.append(log)
         proc = subprocess.Popen(self.argv("up", "--no-build", *args, profile=profile), cwd=ROOT,
                                 env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)

@@ -24,7 +24,7 @@ def main():
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(args.rank)
-    for step in range(20):
+    for _ in range(20):
         x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 3, (16,), generator=gen)
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()

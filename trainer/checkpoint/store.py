@@ -59,7 +59,7 @@ def ensure_output_dir(path: str, setting: str) -> None:
 def claim(directory: Path) -> IO[str]:
     """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
     rotation (each keeps the highest steps) and temp files. Held until the returned file is closed."""
-    lock = open(directory / LOCK_NAME, "a+")
+    lock = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 (held for the run: the caller closes it)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -17,5 +17,5 @@ def visible_gpu_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:  # a broken driver should read as "no GPU", not crash the launcher or the doctor
+    except Exception:  # noqa: BLE001 (a broken driver reads as "no GPU": never crash the launcher or the doctor)
         return 0

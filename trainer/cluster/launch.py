@@ -22,6 +22,7 @@ import shlex
 import socket
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from trainer.cluster import topology as topo
@@ -97,7 +98,7 @@ def launches_itself(program: Program, choice: str) -> str | None:
         return "SCRIPT_LAUNCH=per-host"
     path = program.target[0] if program.target[0] != "-m" else _module_file(program.target[1])
     try:
-        source = "\n".join(line for line in open(path, encoding="utf-8", errors="replace").read().splitlines()
+        source = "\n".join(line for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
                            if not line.lstrip().startswith("#"))
     except (OSError, TypeError):
         return None

@@ -16,7 +16,7 @@ def version_fingerprint() -> dict:
         try:
             v = torch.cuda.nccl.version()
             nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:  # NCCL missing from this build: report it as absent
+        except Exception:  # noqa: BLE001 (NCCL missing from this build: report it as absent)
             pass
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
             "python": platform.python_version()}

@@ -381,7 +381,7 @@ class GpuImageFolder(ImageFolderWithKeys):
                 ready = decode_views(batch, device, self.side)
             except UnreadableImage:
                 raise
-            except Exception as err:  # noqa: BLE001 (whatever the device's decode raises, on trial)
+            except Exception as err:  # whatever the device's decode raises, on trial
                 if self.decoded_on_device >= self.TRIAL_BATCHES:
                     raise
                 self.on_cpu_instead = first_line(err)
@@ -554,7 +554,7 @@ def decode_jpegs(encoded: list[torch.Tensor], paths: list[str], device: torch.de
         except RuntimeError as err:
             refused, first_error = refused + 1, first_error or err
             if refused == len(encoded) > 1:
-                raise first_error
+                raise first_error from None
             _warn_once(path, "a JPEG nvJPEG cannot decode: decoded on the CPU")
             images.append(decode_on_cpu(data.numpy().tobytes(), path).to(device))
     return images
