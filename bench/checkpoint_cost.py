@@ -39,7 +39,7 @@ STEP = re.compile(r"epoch \d+ step (\d+)[/ ]")
 def command(variant: str, args, work: Path) -> list[str]:
     every = {"none": ["--checkpoint-every", "0"], "sync": ["--checkpoint-every", str(args.every)],
              "async": ["--checkpoint-every", str(args.every), "--checkpoint-async"]}[variant]
-    return [sys.executable, "-m", "trainer.cluster.launch", "--model", args.model, "--synthetic-size",
+    return [sys.executable, "-m", "trainer.cli.launch", "--model", args.model, "--synthetic-size",
             str((args.steps + 10) * args.batch_size * 2), "--synthetic-image-size", str(args.image_size),
             "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--epochs", "1",
             "--max-steps", str(args.steps), "--log-every", "1", "--warmup-steps", "0", "--checkpoint-dir",

@@ -76,7 +76,7 @@ def host_command(mode: str, args, work: Path) -> list[str]:
         return ["torchrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{args.port}", "--rdzv-id=bench", "--max-restarts=10",
                 "--rdzv-conf=last_call_timeout=5", "-m", "trainer", *train]
-    return [sys.executable, "-m", "trainer.cluster.launch", *train]
+    return [sys.executable, "-m", "trainer.cli.launch", *train]
 
 
 def host_env(mode: str, args, node: int) -> dict[str, str]:

@@ -138,7 +138,7 @@ def stack_command(stack: str, nproc: int, args: argparse.Namespace, workdir: Pat
                 "-v", f"{workdir}:{CONTAINER_DIR}", "trainer-cpu",
                 *trainer_flags(nproc, args, CONTAINER_DIR, args.trainer_args)]
     if stack in ("launcher", "torchrun"):  # as users run their script: trainer-launch (preflight on), or torchrun
-        runner = [sys.executable, "-m", "trainer.cluster.launch"] if stack == "launcher" else [
+        runner = [sys.executable, "-m", "trainer.cli.launch"] if stack == "launcher" else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         return [*runner, "-m", MODULES["handwritten"], *script_flags(args, workdir)]
     command = [*torchrun_command(nproc), "-m", MODULES[stack]]

@@ -1,6 +1,6 @@
 """Real launcher and worker processes for the fault tests: start them, find them, signal them.
 
-A `Launch` is `python -m trainer.cluster.launch` in a clean environment with its output in a file. The
+A `Launch` is `python -m trainer.cli.launch` in a clean environment with its output in a file. The
 launcher becomes torchrun in the same process, so its PID is torchrun's and the workers are its
 children; they are found by scanning /proc (rank from each worker's environment), no psutil needed.
 """
@@ -99,13 +99,13 @@ def error_lines(text: str) -> list[str]:
 
 
 class Launch:
-    """`python -m trainer.cluster.launch <args>` (or under a prefix such as `ip netns exec ns`), output to a file."""
+    """`python -m trainer.cli.launch <args>` (or under a prefix such as `ip netns exec ns`), output to a file."""
 
     def __init__(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], name: str = "launch",
                  prefix: Sequence[str] = ()):
         self.log_path = cwd / f"{name}.log"
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainer.cluster.launch", *args], cwd=cwd,
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainer.cli.launch", *args], cwd=cwd,
                                          env=clean_env(env), stdout=log, stderr=subprocess.STDOUT)
         self.started = time.monotonic()
 

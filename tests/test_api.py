@@ -53,7 +53,7 @@ def seen(root: Path, world: int) -> dict[int, list[list[int]]]:
 
 
 def launch(root: Path, nproc: int, *args: str, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(LOOP), "--out", str(root), *args],
+    return subprocess.run([sys.executable, "-m", "trainer.cli.launch", str(LOOP), "--out", str(root), *args],
                           cwd=root, env=clean_env(engine_env(root, nproc, **extra)), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
 
@@ -152,7 +152,7 @@ def test_wrong_api_use_says_what_to_call_first(tmp_path, body, first):
     """Asked for in the wrong order, the API's answer is one line naming the call that must come first: a stop
     before resume(), an fsdp resume before wrap(), an optimizer built before an fsdp wrap()."""
     path = script(tmp_path, body, "strategy='fsdp'")
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(path)], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", str(path)], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
                             timeout=RUN_TIMEOUT_S)
     assert result.returncode != 0
@@ -225,7 +225,7 @@ def test_a_bad_train_setting_for_a_script_is_one_line_from_the_launcher_before_t
     """A script on trainer.api reads the TRAIN_* settings, so trainer-launch checks them first, as it checks the
     built-in loop's: one line, exit 2, no worker started."""
     path = script(tmp_path, "pass")
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(path)], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", str(path)], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port(), TRAIN_STRATEGY="fdsp")), capture_output=True,
                             text=True, timeout=RUN_TIMEOUT_S)
     assert "TRAIN_STRATEGY: unknown value 'fdsp' (choose one of ddp, fsdp)" in assert_usage_error(result, "TRAIN_STRATEGY")

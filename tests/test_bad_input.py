@@ -23,7 +23,7 @@ from helpers import as_unprivileged, clean_env, free_port, trainer_command
 # Only a hang fails on time here (the rendezvous would wait 900 s, a collective 1800 s); how fast a bad
 # setting is refused is measured in docs/reliability.md, not asserted on a loaded runner.
 HANG_BOUND_S = 300
-LAUNCH = [sys.executable, "-m", "trainer.cluster.launch"]
+LAUNCH = [sys.executable, "-m", "trainer.cli.launch"]
 WORKER = [sys.executable, "-m", "trainer"]
 BASE_ARGS = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "1"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import free_port, skip_or_fail_in_ci, write_cifar10, write_image_folder, write_mnist
 
-from trainer.cluster.doctor import (
+from trainer.cli.doctor import (
     PREFETCH_FACTOR,
     Check,
     container_runtime,
@@ -208,7 +208,7 @@ def test_main_json(monkeypatch, capsys):
     assert {"name", "status", "value", "fix"} <= set(out["checks"][0])
 
 
-def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), module: str = "trainer.cluster.doctor",
+def _cli(tmp_path, args: tuple[str, ...] | list[str] = (), module: str = "trainer.cli.doctor",
          prefix: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` (trainer-doctor by default), under a command prefix if given."""
     env = {k: v for k, v in os.environ.items()
@@ -237,7 +237,7 @@ def test_cli_reports_the_launchers_topology_error(tmp_path):
     doctor = _cli(tmp_path, ["--json"], MASTER_PORT="70000")
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     topology = row(json_rows(doctor), "topology")
-    launcher = _cli(tmp_path, module="trainer.cluster.launch", MASTER_PORT="70000")
+    launcher = _cli(tmp_path, module="trainer.cli.launch", MASTER_PORT="70000")
     assert launcher.returncode == 2
     assert topology.status == "fail"
     assert launcher.stderr.strip() == f"error: {topology.value} ({topology.fix})"
@@ -342,7 +342,7 @@ def test_a_limited_memlock_passes_without_gpus(tmp_path):
     def lower_memlock():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
 
-    out = subprocess.run([sys.executable, "-m", "trainer.cluster.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
+    out = subprocess.run([sys.executable, "-m", "trainer.cli.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
                           "--log-dir", str(tmp_path / "r"), "--env-file", os.devnull],
                          capture_output=True, text=True, cwd=tmp_path, preexec_fn=lower_memlock, timeout=120,
                          env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS})
@@ -359,7 +359,7 @@ def test_the_stack_fix_is_in_the_syntax_of_where_it_runs(tmp_path):
         resource.setrlimit(resource.RLIMIT_STACK, (8 << 20, resource.getrlimit(resource.RLIMIT_STACK)[1]))
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    out = subprocess.run([sys.executable, "-m", "trainer.cluster.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
+    out = subprocess.run([sys.executable, "-m", "trainer.cli.doctor", "--json", "--checkpoint-dir", str(tmp_path / "c"),
                           "--log-dir", str(tmp_path / "r"), "--env-file", os.devnull],
                          capture_output=True, text=True, cwd=tmp_path, preexec_fn=lower_stack, timeout=120, env=env)
     (stack,) = [c for c in json.loads(out.stdout)["checks"] if c["name"] == "ulimit stack"]

@@ -185,7 +185,7 @@ def test_killed_peer_without_restarts_fails_fast_naming_the_signal(tmp_path, lau
 def rendezvous(tmp_path: Path, node_rank: int, port: int) -> subprocess.Popen:
     env = clean_env(launcher_env(port, NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1",
                                  RDZV_TIMEOUT="3"))
-    return subprocess.Popen([sys.executable, "-m", "trainer.cluster.launch", *tiny_run(tmp_path / f"node{node_rank}")],
+    return subprocess.Popen([sys.executable, "-m", "trainer.cli.launch", *tiny_run(tmp_path / f"node{node_rank}")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -166,7 +166,7 @@ def test_a_failed_pod_is_restarted_and_a_usage_error_is_not():
 def dry_run(env: dict[str, str]) -> dict:
     """What `trainer-launch --dry-run` resolves in a pod with exactly this environment (no GPU here)."""
     clean = {k: v for k, v in clean_env().items() if not k.startswith(("PET_", "SKYPILOT_", "JOB_COMPLETION_INDEX"))}
-    out = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run"], env={**clean, **env},
+    out = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run"], env={**clean, **env},
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)

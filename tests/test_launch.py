@@ -97,7 +97,7 @@ BAD_ENVIRONMENTS = {
 def test_launcher_bad_environment_is_one_line_exit_2(tmp_path, env, setting):
     # A free port: a rendezvous port in use elsewhere on this machine is another (one-line) error.
     env = {"MASTER_PORT": str(free_port()), **env}
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *dirs_args(tmp_path)], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", *dirs_args(tmp_path)], cwd=tmp_path,
                             env=clean_env(env), capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert_usage_error(result, setting)
     assert files_under(tmp_path) == set()
@@ -106,7 +106,7 @@ def test_launcher_bad_environment_is_one_line_exit_2(tmp_path, env, setting):
 def test_nccl_flag_without_a_gpu_is_the_workers_one_line(tmp_path):
     """Caught before torchrun starts (clean_env hides every GPU), in the words the worker uses."""
     env = clean_env({"MASTER_PORT": str(free_port())})
-    run = [sys.executable, "-m", "trainer.cluster.launch", "--backend", "nccl", *dirs_args(tmp_path)]
+    run = [sys.executable, "-m", "trainer.cli.launch", "--backend", "nccl", *dirs_args(tmp_path)]
     result = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert assert_usage_error(result, "--backend") == (
         "error: --backend: nccl needs a CUDA GPU and none is visible "
@@ -122,7 +122,7 @@ def test_preflight_words(word, enabled):
 
 def test_preflight_runs_the_doctor(tmp_path):
     env = clean_env({"PREFLIGHT": "yes", "GLOO_SOCKET_IFNAME": "nosuch0", "MASTER_PORT": str(free_port())})
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *dirs_args(tmp_path)], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", *dirs_args(tmp_path)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].startswith("error: preflight: GLOO_SOCKET_IFNAME: "), result.stderr

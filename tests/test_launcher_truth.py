@@ -72,7 +72,7 @@ def test_a_tcp_init_script_runs_once_per_host_on_two_hosts(tmp_path, launches):
 
 def test_script_launch_torchrun_overrides_what_the_source_suggests(tmp_path):
     def dry_run(**env: str) -> dict:
-        result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run",
+        result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run",
                                  str(USER_CODE / "tutorial_spawn.py")], cwd=tmp_path, capture_output=True, text=True,
                                 env=clean_env(env), timeout=60)
         assert result.returncode == 0, result.stderr
@@ -91,7 +91,7 @@ def test_script_launch_torchrun_overrides_what_the_source_suggests(tmp_path):
                                             ("STOP_GRACE_PERIOD", "-1"), ("STOP_GRACE_PERIOD", "abc"),
                                             ("STOP_GRACE_PERIOD", "1m30"), ("STOP_GRACE_PERIOD", "70 s")])
 def test_bad_launcher_settings_are_one_line(tmp_path, setting, value):
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", str(USER_CODE / "tutorial_tcp.py")],
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", str(USER_CODE / "tutorial_tcp.py")],
                             cwd=tmp_path, capture_output=True, text=True, env=clean_env({setting: value}), timeout=60)
     assert_usage_error(result, setting)
 
@@ -168,7 +168,7 @@ def test_a_stop_grace_period_longer_than_the_platforms_is_one_warning(tmp_path):
     """compose.yaml passes its own stop_grace_period (COMPOSE_STOP_GRACE_PERIOD), the Kubernetes manifests their
     terminationGracePeriodSeconds: a longer STOP_GRACE_PERIOD (docker compose run -e ...) would be cut short."""
     env = {"STOP_GRACE_PERIOD": "2m", "COMPOSE_STOP_GRACE_PERIOD": "60s", "TERMINATION_GRACE_PERIOD_SECONDS": "90"}
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run", str(USER_CODE /
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", str(USER_CODE /
                             "tutorial_tcp.py")], cwd=tmp_path, capture_output=True, text=True, env=clean_env(env),
                             timeout=60)
     assert result.returncode == 0, result.stderr
@@ -178,7 +178,7 @@ def test_a_stop_grace_period_longer_than_the_platforms_is_one_warning(tmp_path):
         "warning: STOP_GRACE_PERIOD (120 s) is longer than the pod's terminationGracePeriodSeconds "
         "(TERMINATION_GRACE_PERIOD_SECONDS=90, 90 s): the platform kills the container first; give both the same time"]
     assert json.loads(result.stdout)["mode"] == "torchrun"
-    quiet = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run", str(USER_CODE /
+    quiet = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", str(USER_CODE /
                            "tutorial_tcp.py")], cwd=tmp_path, capture_output=True, text=True,
                            env=clean_env({**env, "STOP_GRACE_PERIOD": "60s"}), timeout=60)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
@@ -259,7 +259,7 @@ def test_a_torchrun_log_line_reworded_changes_nothing_in_the_launchers_end(tmp_p
     (tmp_path / "site" / "sitecustomize.py").write_text(REWORD)
     (tmp_path / "fails_once.py").write_text(FAILS_ONCE)
     env = launcher_env(free_port(), MAX_RESTARTS="1", PYTHONPATH=f"{tmp_path / 'site'}:{REPO}")
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "fails_once.py"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "fails_once.py"], cwd=tmp_path,
                             env=clean_env(env), capture_output=True, text=True, timeout=RUN_BOUND_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch's elastic log reworded here" in result.stderr
@@ -390,7 +390,7 @@ def test_on_one_host_with_master_port_unset_a_taken_29500_is_no_conflict(tmp_pat
         except OSError:
             pass  # taken already, by something else: the same situation
         env = {key: value for key, value in launcher_env(0).items() if key != "MASTER_PORT"}
-        result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "hello.py"], cwd=tmp_path,
+        result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "hello.py"], cwd=tmp_path,
                                 env=clean_env(env), capture_output=True, text=True, timeout=RUN_BOUND_S)
     assert result.returncode == 0, result.stderr[-3000:]
     ports = set(re.findall(r"joined at port (\d+)", result.stdout))
@@ -418,7 +418,7 @@ def test_ranks_that_trained_alone_are_told_in_one_warning(tmp_path, script, env,
     data, each printing its own results) and exits 0: the launcher's last line says so, and why."""
     (tmp_path / "alone.py").write_text(ALONE)
     path = str(USER_CODE / script) if script.startswith("tutorial") else script
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", path], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", path], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port(), **env)), capture_output=True, text=True,
                             timeout=RUN_BOUND_S)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -467,7 +467,7 @@ def test_a_script_ending_as_the_tutorials_do_frees_its_process_group_before_the_
     "terminate called without an active exception") after their last step; under the launcher it is freed while
     the interpreter is whole."""
     (tmp_path / "ending.py").write_text(TUTORIAL_ENDING)
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "ending.py"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "ending.py"], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
                             timeout=RUN_BOUND_S)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -478,7 +478,7 @@ def test_a_script_ending_as_the_tutorials_do_frees_its_process_group_before_the_
 def test_a_rank_that_aborts_at_exit_after_its_last_step_is_named_so(tmp_path):
     """A SIGABRT after the program returned is not a crash in training: the end line says so and where the fix is."""
     (tmp_path / "ending.py").write_text(TUTORIAL_ENDING)
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "ending.py"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "ending.py"], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port(), ABORT_AT_EXIT="1")), capture_output=True,
                             text=True, timeout=RUN_BOUND_S)
     assert result.returncode == 1, result.stderr[-3000:]

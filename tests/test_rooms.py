@@ -59,14 +59,15 @@ def _imports_torch(code: str, cwd: Path) -> bool:
 def test_the_launcher_the_topology_and_the_preflight_import_no_torch(tmp_path):
     """Importing them, resolving the topology, `trainer-launch --dry-run` and the preflight's checks of the
     default run on this GPU-less host: none imports torch."""
-    assert not _imports_torch("import trainer.cluster.launch, trainer.cluster.topology, trainer.cluster.doctor, "
+    assert not _imports_torch("import trainer.cluster.launch, trainer.cluster.topology, trainer.cli.doctor, "
+                              "trainer.cli.launch, "
                               "trainer.cluster.agent, trainer.parallel.bootstrap, trainer.config.settings", tmp_path)
     assert not _imports_torch("import os\nfrom trainer.cluster.topology import LAUNCHER, resolve\n"
                               "resolve(os.environ, LAUNCHER, lambda: 0)", tmp_path)
-    assert not _imports_torch("import contextlib, io\nfrom trainer.cluster import launch\n"
+    assert not _imports_torch("import contextlib, io\nfrom trainer.cli import launch\n"
                               "with contextlib.redirect_stdout(io.StringIO()):\n"
                               "    assert launch.main(['--dry-run', '--epochs', '1']) == 0", tmp_path)
-    assert not _imports_torch("import os\nfrom trainer.cluster.doctor import run_checks\n"
+    assert not _imports_torch("import os\nfrom trainer.cli.doctor import run_checks\n"
                               "assert run_checks(os.environ)", tmp_path)
     # The probe can tell: the worker's side does import torch.
     assert _imports_torch("import trainer.parallel.context\nimport torch", tmp_path)

@@ -44,8 +44,8 @@ STEPS_PER_EPOCH = 6
 
 
 def launch(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """`python -m trainer.cluster.launch ARGS` (what the trainer-launch entry point runs), 2 CPU processes."""
-    return subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *args], cwd=cwd,
+    """`python -m trainer.cli.launch ARGS` (what the trainer-launch entry point runs), 2 CPU processes."""
+    return subprocess.run([sys.executable, "-m", "trainer.cli.launch", *args], cwd=cwd,
                           env=clean_env(launcher_env(free_port(), **env)), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
 
@@ -149,7 +149,7 @@ BAD_SCRIPTS = {
 def test_bad_script_is_one_line_exit_2_before_torchrun(tmp_path, args, env, error):
     user_package(tmp_path)
     before = files_under(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *args[0], "--out", "."], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", *args[0], "--out", "."], cwd=tmp_path,
                             env=clean_env(launcher_env(free_port(), **env)), capture_output=True, text=True,
                             timeout=BAD_INPUT_TIMEOUT_S)
     line = assert_usage_error(result, error.split(":")[0])
@@ -175,7 +175,7 @@ def test_preflight_checks_the_host_for_a_script_not_the_built_in_trainers_option
     (here a checkpoint directory that could not be written) are not the script's and are not read."""
     (tmp_path / "my_train.py").write_text("")
     env = launcher_env(free_port(), PREFLIGHT="1", GLOO_SOCKET_IFNAME="nosuch0", TRAIN_CHECKPOINT_DIR="/proc/no")
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "my_train.py"], cwd=tmp_path, env=clean_env(env),
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "my_train.py"], cwd=tmp_path, env=clean_env(env),
                             capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].startswith("error: preflight: GLOO_SOCKET_IFNAME: "), result.stderr
@@ -183,7 +183,7 @@ def test_preflight_checks_the_host_for_a_script_not_the_built_in_trainers_option
 
 
 def test_launcher_help_documents_the_script_forms():
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--help"], env=clean_env(), capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--help"], env=clean_env(), capture_output=True,
                             text=True, timeout=BAD_INPUT_TIMEOUT_S)
     assert result.returncode == 0
     for form in ("trainer-launch my_train.py [ARGS]", "trainer-launch -m mypkg.train [ARGS]", "TRAIN_SCRIPT"):

@@ -46,7 +46,7 @@ from trainer.cluster.topology import (
 )
 from trainer.core.errors import UsageError
 
-LAUNCH = [sys.executable, "-m", "trainer.cluster.launch"]
+LAUNCH = [sys.executable, "-m", "trainer.cli.launch"]
 
 
 def no_gpus() -> int:
@@ -423,7 +423,7 @@ def test_dry_run_anywhere_among_the_built_in_trainers_options(tmp_path):
 
 def test_trainer_doctor_shows_the_resolved_topology_and_its_source(tmp_path):
     env = clean_env(srun_per_node(0, nodelist="localhost,nodeb"))
-    result = subprocess.run([sys.executable, "-m", "trainer.cluster.doctor", "--json"], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.doctor", "--json"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     (row,) = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "topology"]
     assert row["status"] == "pass"

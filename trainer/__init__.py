@@ -9,11 +9,12 @@ from here: `from trainer import DataSpec`.
 The package is in rooms, each importing only the ones below it (pyproject.toml's import-linter contract):
     core        the one-line error contract, atomic writes
     config      settings (every TRAIN_* variable and flag) and the catalogue of models and datasets
-    cluster     topology, launcher, preflight (doctor), supervisor; torch-free
-    parallel    the process group, collectives, the stop, strategies (ddp, fsdp)
+    cluster     topology, the launch plan, the agent that runs the workers; torch-free at import
+    parallel    a worker's side: its bootstrap, the process group, collectives, what it does for its launcher
+                (the stop, its record), strategies (ddp, fsdp)
     data | checkpoint | observe
     engine      the loop's pieces (Run) and the built-in loop
-    api | cli   the public helper API; the console scripts
+    api | cli   the public helper API; the console scripts (trainer-launch, trainer-doctor, ...)
 """
 
 from trainer.config.catalog import DataSpec

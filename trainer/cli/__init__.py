@@ -1,1 +1,2 @@
-"""Console scripts beside the launcher and the built-in loop: trainer-scale, trainer-export, trainer-report."""
+"""Console scripts: trainer-launch (the containers' entrypoint) and its preflight trainer-doctor, trainer-scale,
+trainer-export, trainer-report; the built-in loop is `python -m trainer`."""

@@ -61,7 +61,7 @@ def torchrun_command(nproc: int) -> list[str]:
     """trainer-launch on this host alone with nproc workers (as torchrun --standalone): a failed run ends in one
     line naming the rank and exits with the worker's code, instead of torchrun's traceback."""
     return ["env", "-u", "NODE_RANK", "-u", "MASTER_ADDR", f"NPROC_PER_NODE={nproc}", "NNODES=1", "PREFLIGHT=0",
-            sys.executable, "-m", "trainer.cluster.launch"]
+            sys.executable, "-m", "trainer.cli.launch"]
 
 
 def exit_with_failed_run(done: subprocess.CompletedProcess) -> None:

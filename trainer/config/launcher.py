@@ -9,6 +9,7 @@ value is one line and exit 2.
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -64,9 +65,11 @@ LAUNCHER_SETTINGS = (
 )
 
 
-def help_table(width: int = 13) -> str:
-    """The settings as trainer-launch --help (and its docstring) shows them."""
-    return "\n".join(f"    {v.name} ({v.default})\n{' ' * width}{v.meaning}" for v in LAUNCHER_SETTINGS)
+def help_table() -> str:
+    """The settings as trainer-launch --help shows them."""
+    return "\n".join(f"    {v.name} ({v.default})\n" + textwrap.fill(v.meaning, 116, initial_indent=" " * 13,
+                                                                    subsequent_indent=" " * 13)
+                     for v in LAUNCHER_SETTINGS)
 
 
 def env_int(env: Mapping[str, str], var: str, default: int | None, minimum: int, maximum: int | None = None,

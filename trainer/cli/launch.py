@@ -1,0 +1,127 @@
+"""`trainer-launch`: the container entrypoint. Topology from the environment -> torch's elastic agent.
+
+    trainer-launch [TRAINING OPTIONS]          the built-in trainer (`python -m trainer`) on every process
+    trainer-launch my_train.py [ARGS]          your own script on every process (torchrun's convention)
+    trainer-launch -m mypkg.train [ARGS]       your own module, as `python -m mypkg.train` would run it
+    trainer-launch --dry-run [...]             print the resolved topology and the command as JSON; start nothing
+
+Its settings (environment variables, or a .env file; docs/settings.md), besides what Slurm, Kubeflow (Trainer v2
+PET_*, PyTorchJob v1), a Kubernetes Indexed Job or SkyPilot set (trainer/cluster/topology.py reads them, in the
+order docs/clusters.md gives):
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import sys
+from typing import Mapping, Sequence
+
+from trainer.cluster.launch import SCRIPT_ENV, build_command, per_host_env
+from trainer.cluster.topology import Topology
+from trainer.config import launcher
+from trainer.config.launcher import help_table
+from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig
+from trainer.core.errors import UsageError, exit_on_usage_error, print_error
+
+EPILOG = """
+
+The built-in trainer's options are validated here, before any worker starts, so a mistake is one line and exit
+code 2, never a hang. A script's or module's arguments are its own; the launcher checks that the script is a file
+or that the module can be found (without running it), then runs it under the same agent, with the same topology,
+preflight, restarts and one-line failure summary naming the rank (after the script's own traceback). trainer.api
+gives such a script the built-in trainer's process group setup, resumable sampler, checkpoints, SIGTERM stop and
+TensorBoard logging. The launcher runs torch's elastic agent (what torchrun runs) in its own process, so signals
+reach it directly, and prints the torchrun command that does the same by hand. A container given RANK and
+WORLD_SIZE but no node layout (one process per container) runs the worker itself.
+"""
+DRY_RUN = "--dry-run"
+
+
+def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    """--dry-run first, or anywhere among the built-in trainer's options (a script's arguments are its own)."""
+    args = list(argv)
+    if args[:1] == [DRY_RUN]:
+        return True, args[1:]
+    builtin = args[0].startswith("-") and args[0] != "-m" and not env.get(SCRIPT_ENV, "").strip() if args else False
+    if builtin and DRY_RUN in args:
+        return True, [a for a in args if a != DRY_RUN]
+    return False, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__ + help_table() + EPILOG)
+        print("\nThe built-in trainer's options (python -m trainer --help):")
+        os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
+    dry_run, args = split_dry_run(args, os.environ)
+    with exit_on_usage_error():
+        launch = build_command(os.environ, args, pick_port=not dry_run)
+        for line in launcher.grace_warnings(os.environ, launch.settings.stop_grace):
+            print(line, file=sys.stderr, flush=True)
+        if dry_run:
+            per_host = {} if launch.per_host is None else {"once_per_host": launch.per_host}
+            print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
+            return 0
+        if launch.rendezvous is not None and not launch.topology.elastic:  # c10d: any host may host it
+            ensure_master_port_free(launch.topology)
+        if launch.topology.elastic:
+            os.environ[ELASTIC_WORLD_ENV] = str(launch.topology.world_size)
+            # torch's shared rendezvous store publishes the workers' MASTER_ADDR only in a node's first round,
+            # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
+            # trips an AssertionError): every round publishes its own without the sharing.
+            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    print(launch.topology.summary(), file=sys.stderr, flush=True)
+    if launch.settings.preflight:
+        run_preflight(launch.cfg)
+    program = [*launch.program.target, *launch.program.args]
+    if launch.per_host is not None:
+        shown = shlex.join(program[:2] if program[0] == "-m" else program[:1])
+        print(f"{shown} starts its own processes ({launch.per_host}): running it once on this host, without "
+              "torchrun, with NNODES, NODE_RANK, NPROC_PER_NODE, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its "
+              "environment (SCRIPT_LAUNCH=torchrun runs a copy per rank instead)", file=sys.stderr, flush=True)
+        os.environ.update(per_host_env(launch.topology))
+    print("+ " + shlex.join(launch.command), file=sys.stderr, flush=True)
+    if launch.rendezvous is None and launch.per_host is None:  # one rank of its own: it becomes the worker
+        os.execvp(launch.command[0], launch.command)
+    from trainer.cluster import agent
+
+    return agent.run_once(launch, program) if launch.per_host is not None else agent.run(launch, program)
+
+
+def ensure_master_port_free(topology: Topology) -> None:
+    """Node 0's torchrun hosts the rendezvous store on MASTER_PORT. A taken port would otherwise show
+    only after the rendezvous timeout, as a C++ error about the store."""
+    if topology.node_rank != 0:
+        return
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is no conflict
+        try:
+            sock.bind(("", topology.master_port))
+        except OSError as err:
+            given = topology.sources.get("master_port", "default")
+            raise UsageError("MASTER_PORT (default)" if given == "default" else given,
+                             f"{topology.master_port} cannot be used on this host ({err.strerror})",
+                             "stop what listens there (another NODE_RANK=0 launcher?) or choose a free "
+                             "MASTER_PORT, the same on every host") from None
+
+
+def run_preflight(cfg: TrainConfig | None) -> None:
+    """cfg None: a user's script, checked without the built-in trainer's options."""
+    from trainer.cli.doctor import format_table, run_checks
+
+    checks = run_checks(os.environ, cfg, own_script=cfg is None)
+    failed = [c for c in checks if c.status == "fail"]
+    if failed or any(c.status == "warn" for c in checks):
+        print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)
+    if failed:
+        first = failed[0]
+        print_error(f"preflight: {first.name}: {first.value} ({first.fix}; PREFLIGHT=0 skips the checks)")
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
