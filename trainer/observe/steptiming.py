@@ -28,7 +28,7 @@ import statistics
 import time
 from typing import Any, Iterable, Iterator
 
-from trainer.parallel import collectives
+from trainer.parallel import collectives, shm_allreduce
 
 log = logging.getLogger("trainer")
 FIELDS = ("data_wait_ms", "compute_ms", "comm_wait_ms", "optimizer_ms")
@@ -86,8 +86,7 @@ class StepTiming:
         self.steps = 0
         self.utilization_readable = self.cuda
         # The shared-memory all-reduce (shm_allreduce.py) waits inside backward: its hook keeps its intervals.
-        self.comm_hook_state = next((state for _, state in getattr(ddp_model, "_comm_hooks", [])
-                                     if hasattr(state, "intervals")), None)
+        self.comm_hook_state = shm_allreduce.HOOKS.get(ddp_model)
         if not cfg.compile:  # compiled, the hook would be traced into the graph: the broadcast counts as compute
             model.register_forward_pre_hook(self._forward_starts)
         # Until the first optimizer step every parameter's gradient marks; then only the last one to arrive.

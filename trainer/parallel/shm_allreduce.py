@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 
 import torch
 
@@ -28,6 +29,8 @@ from trainer.parallel.collectives import all_gather_objects, barrier
 from trainer.parallel.context import DistContext
 
 log = logging.getLogger(__name__)
+# The hook state registered on each DDP model (step timing reads its intervals): ours, not DDP's private list.
+HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 SHM_DIR = "/dev/shm"
 
 
@@ -144,6 +147,8 @@ def register_if_usable(ddp_model: torch.nn.parallel.DistributedDataParallel, ctx
         log.warning("gradients go through gloo's TCP all-reduce, not shared memory: %s (raise shm_size, "
                     "or --shm-allreduce false to silence this)", problem)
         return
-    ddp_model.register_comm_hook(SharedMemoryAllReduce(ctx), SharedMemoryAllReduce.hook)
+    state = SharedMemoryAllReduce(ctx)
+    ddp_model.register_comm_hook(state, SharedMemoryAllReduce.hook)
+    HOOKS[ddp_model] = state
     log.info("gradients are all-reduced through shared memory (all %d processes on this host)", ctx.world_size)
 
