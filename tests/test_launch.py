@@ -3,9 +3,11 @@ trainer-launch run, and a Slurm-style world formed by plain processes without to
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -179,3 +181,35 @@ def test_the_sbatch_scripts_signal_lead_time_holds_the_default_stop_grace_period
     for script in scripts:
         lead = int(re.search(r"^#SBATCH --signal=TERM@(\d+)$", script.read_text(), re.M).group(1))
         assert lead >= launcher.grace_s({}), script
+
+
+@pytest.mark.parametrize("line, setting", [
+    ("NNODES=3:2", "NNODES (explicit, .env line 2): '3:2' runs backwards"),
+    ("NPROC_PER_NODE=0", "NPROC_PER_NODE (explicit, .env line 2): 0 is out of range"),
+    ("MASTER_PORT=99999", "MASTER_PORT (explicit, .env line 2): 99999 is out of range"),
+    ("HANG_TIMEOUT=-1", "HANG_TIMEOUT (.env line 2): -1 is out of range"),
+    ("STOP_GRACE_PERIOD=0", "STOP_GRACE_PERIOD (.env line 2): '0' leaves no time to stop"),
+], ids=["NNODES", "NPROC_PER_NODE", "MASTER_PORT", "HANG_TIMEOUT", "STOP_GRACE_PERIOD"])
+def test_launcher_settings_in_dotenv_count_and_a_bad_one_is_the_same_one_line_naming_the_file_and_line(tmp_path, line,
+                                                                                                      setting):
+    """.env holds the launcher's settings as Compose reads them (.env.example lists them): each one counts, checked
+    as from the environment, its error naming the file and the line. Before: only the trainer read .env, and each
+    of these trained and exited 0."""
+    (tmp_path / ".env").write_text(f"# the launcher's settings\n{line}\nTRAIN_EPOCHS=1\n")
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", *dirs_args(tmp_path)], cwd=tmp_path,
+                            env=clean_env({"MASTER_PORT": str(free_port())} if "MASTER_PORT" not in line else {}),
+                            capture_output=True, text=True, timeout=BAD_INPUT_TIMEOUT_S)
+    assert_usage_error(result, setting)
+    assert files_under(tmp_path) == {Path(".env")}
+
+
+def test_the_environment_wins_over_dotenv_as_in_compose(tmp_path):
+    """A variable set in the environment wins over the file's (Compose's precedence); the file's are taken, with
+    where they came from, when the environment has none."""
+    (tmp_path / ".env").write_text("NPROC_PER_NODE=1\nHANG_TIMEOUT=-1\n")
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", "--model", "cnn"], cwd=tmp_path,
+                            env=clean_env({"HANG_TIMEOUT": "60"}), capture_output=True, text=True,
+                            timeout=BAD_INPUT_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["nproc_per_node"] == 1 and facts["sources"]["nproc_per_node"] == "NPROC_PER_NODE (explicit, .env line 1)"

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 from trainer.cluster.gpus import visible_gpu_count
 from trainer.cluster.topology import LAUNCHER, Topology, resolve
 from trainer.cluster.versions import cpu_versions, version_fingerprint
-from trainer.config import catalog
+from trainer.config import catalog, launcher
 from trainer.config.settings import TrainConfig, build_parser, load_config
 from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 
@@ -386,7 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainer.data.check import main as data_check
 
             return data_check(args.data, training, args.json)
-    checks = run_checks(os.environ, training)
+        env = launcher.with_dotenv(os.environ, *launcher.dotenv_file(training_args))  # the launcher's settings too
+    checks = run_checks(env, training)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2))

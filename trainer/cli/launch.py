@@ -59,8 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execvp(sys.executable, [sys.executable, "-m", "trainer", "--help"])
     dry_run, args = split_dry_run(args, os.environ)
     with exit_on_usage_error():
-        launch = build_command(os.environ, args, pick_port=not dry_run)
-        for line in launcher.grace_warnings(os.environ, launch.settings.stop_grace):
+        env = launcher.with_dotenv(os.environ, *launcher.dotenv_file(args))
+        launch = build_command(env, args, pick_port=not dry_run)
+        for line in launcher.grace_warnings(env, launch.settings.stop_grace):
             print(line, file=sys.stderr, flush=True)
         if dry_run:
             per_host = {} if launch.per_host is None else {"once_per_host": launch.per_host}
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     print(launch.topology.summary(), file=sys.stderr, flush=True)
     if launch.settings.preflight:
-        run_preflight(launch.cfg)
+        run_preflight(launch.cfg, env)
     program = [*launch.program.target, *launch.program.args]
     if launch.per_host is not None:
         shown = shlex.join(program[:2] if program[0] == "-m" else program[:1])
@@ -109,11 +110,11 @@ def ensure_master_port_free(topology: Topology) -> None:
                              "MASTER_PORT, the same on every host") from None
 
 
-def run_preflight(cfg: TrainConfig | None) -> None:
+def run_preflight(cfg: TrainConfig | None, env: Mapping[str, str]) -> None:
     """cfg None: a user's script, checked without the built-in trainer's options."""
     from trainer.cli.doctor import format_table, run_checks
 
-    checks = run_checks(os.environ, cfg, own_script=cfg is None)
+    checks = run_checks(env, cfg, own_script=cfg is None)
     failed = [c for c in checks if c.status == "fail"]
     if failed or any(c.status == "warn" for c in checks):
         print(format_table([c for c in checks if c.status != "pass"]), file=sys.stderr, flush=True)

@@ -122,16 +122,16 @@ def choose_program(argv: Sequence[str], env: Mapping[str, str]) -> Program:
         return Program(checked_module(argv[1], "-m"), tuple(argv[2:]))
     if argv and not argv[0].startswith("-"):
         return Program(checked_script(argv[0], "script"), tuple(argv[1:]))
-    raw = env.get(SCRIPT_ENV, "").strip()
+    raw, setting = env.get(SCRIPT_ENV, "").strip(), launcher.located(env, SCRIPT_ENV)
     if not raw:
         return Program(BUILTIN, tuple(argv))
     if raw.split()[0] == "-m":
         module = raw.split()[1:]
         if len(module) != 1:
-            raise UsageError(SCRIPT_ENV, f"'{raw}' is not -m and one module name",
+            raise UsageError(setting, f"'{raw}' is not -m and one module name",
                              'e.g. TRAIN_SCRIPT="-m mypkg.train"; arguments go on the command line')
-        return Program(checked_module(module[0], SCRIPT_ENV), tuple(argv))
-    return Program(checked_script(raw, SCRIPT_ENV), tuple(argv))
+        return Program(checked_module(module[0], setting), tuple(argv))
+    return Program(checked_script(raw, setting), tuple(argv))
 
 
 def checked_script(path: str, setting: str) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ class Topology:
     @property
     def source(self) -> str:
         """The sources behind the values, in the documented order: 'slurm', 'explicit+indexed-job'."""
-        named = {s.rsplit("(", 1)[1].rstrip(")") for s in self.sources.values() if s.endswith(")")}
+        named = {s.rsplit("(", 1)[1].rstrip(")").split(",")[0] for s in self.sources.values() if s.endswith(")")}
         return "+".join(s for s in SOURCES if s in named and s != "default") or "default"
 
     def variables(self, *fields: str) -> list[str]:
@@ -130,7 +130,7 @@ def env_int(env: Mapping[str, str], var: str, default: int | None, minimum: int,
             source: str | None = None) -> int:
     """An integer environment setting, or the one-line error naming it and its source."""
     return launcher.env_int(env, var, default, minimum, maximum, _label(var, source),
-                            None if source in (None, "explicit") else SOURCES[source])
+                            None if source is None or source.startswith("explicit") else SOURCES[source])
 
 
 def _given(env: Mapping[str, str], var: str) -> bool:
@@ -282,9 +282,15 @@ class _Resolver:
             self._gpus = self._gpu_count() if self._gpu_count else 0
         return self._gpus
 
+    def explicit(self, var: str) -> str:
+        """The source of a variable set by hand: "explicit", or with the dotenv file and line it came from."""
+        where = getattr(self.env, "where", {}).get(var)
+        return f"explicit, {where}" if where else "explicit"
+
     def int(self, var: str, source: str, minimum: int = 0, maximum: int | None = None) -> _Value | None:
         if not _given(self.env, var):
             return None
+        source = self.explicit(var) if source == "explicit" else source
         return _Value(env_int(self.env, var, None, minimum, maximum, source), var, source)
 
     def first_of(self, *names: str) -> str:
@@ -295,7 +301,7 @@ class _Resolver:
     def node_range(self) -> _Value | None:
         """NNODES=MIN:MAX (or Kubeflow's PET_NNODES=MIN:MAX): (min, max) hosts, checked; None for a fixed count.
         A range beside a fixed count from another source mixes static and elastic, which is refused."""
-        given = [(var, source, self.env[var].strip()) for var, source in (("NNODES", "explicit"),
+        given = [(var, source, self.env[var].strip()) for var, source in (("NNODES", self.explicit("NNODES")),
                  ("PET_NNODES", self.pet)) if _given(self.env, var)]
         ranges = [g for g in given if ":" in g[2]]
         if not ranges:
@@ -333,7 +339,7 @@ class _Resolver:
         # The node ranks a controller derives (PET_NODE_RANK, an Indexed Job's JOB_COMPLETION_INDEX, a PyTorchJob's
         # RANK) are the pod's index, not a rank: the rendezvous's win. A NODE_RANK set by hand is a mistake.
         if _given(self.env, "NODE_RANK"):
-            raise UsageError("NODE_RANK (explicit)", f"sets a node rank, but with {span.var}={low}:{high} the "
+            raise UsageError(f"NODE_RANK ({self.explicit('NODE_RANK')})", f"sets a node rank, but with {span.var}={low}:{high} the "
                              "rendezvous assigns them (a fixed rank would contradict it after a host is lost)",
                              "unset NODE_RANK on every host: the same settings serve them all")
         if self.slurm:
@@ -429,7 +435,8 @@ class _Resolver:
 
     def master_addr(self, nnodes: _Value | None) -> _Value:
         if _given(self.env, "MASTER_ADDR"):
-            return _Value(self.env["MASTER_ADDR"].strip(), "MASTER_ADDR", "pytorchjob" if self.pytorchjob else "explicit")
+            return _Value(self.env["MASTER_ADDR"].strip(), "MASTER_ADDR",
+                          "pytorchjob" if self.pytorchjob else self.explicit("MASTER_ADDR"))
         if _given(self.env, "PET_MASTER_ADDR"):
             return _Value(self.env["PET_MASTER_ADDR"].strip(), "PET_MASTER_ADDR", self.pet)
         if self.slurm:
@@ -450,7 +457,7 @@ class _Resolver:
         return _Value(LOCALHOST, "default", "default")
 
     def master_port(self) -> _Value:
-        for var, source in (("MASTER_PORT", "pytorchjob" if self.pytorchjob else "explicit"),
+        for var, source in (("MASTER_PORT", "pytorchjob" if self.pytorchjob else self.explicit("MASTER_PORT")),
                             ("PET_MASTER_PORT", self.pet)):
             if _given(self.env, var):
                 return _Value(env_int(self.env, var, None, 1, 65535, source), var, source)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Mapping
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from trainer.core.errors import UsageError
 
@@ -72,11 +73,55 @@ def help_table() -> str:
                      for v in LAUNCHER_SETTINGS)
 
 
+class Environment(dict):
+    """The environment with a dotenv file's launcher settings beneath it: Compose's precedence (a variable set in the
+    environment wins over the file's). `where` names the file and line of each value taken from the file."""
+
+    def __init__(self, values: Mapping[str, str], where: Mapping[str, str] | None = None):
+        super().__init__(values)
+        self.where = dict(where or {})
+
+
+def with_dotenv(env: Mapping[str, str], path: str = ".env", named: bool = False) -> Environment:
+    """env, and beneath it the launcher settings of the dotenv file at path (the trainer's reader and its one-line
+    errors; a missing default .env is none). Only the names of LAUNCHER_SETTINGS: the trainer reads its own."""
+    import io
+
+    from dotenv.parser import parse_stream
+
+    from trainer.config.settings import _read_dotenv
+
+    values = _read_dotenv(path, named)
+    names = {v.name for v in LAUNCHER_SETTINGS}
+    lines = {b.key: b.original.line for b in parse_stream(io.StringIO(Path(path).read_text(encoding="utf-8-sig")))
+             if b.key in names} if values else {}
+    taken = {k: v for k, v in values.items() if k in lines and k not in env}
+    return Environment({**env, **taken}, {k: f"{path} line {lines[k]}" for k in taken})
+
+
+def dotenv_file(args: Sequence[str]) -> tuple[str, bool]:
+    """(path, named): the dotenv file the built-in trainer reads (its --env-file, default .env), which Compose
+    reads too; a script's arguments are its own, so for a script it is .env."""
+    builtin = bool(args) and args[0].startswith("-") and args[0] != "-m"
+    for i, arg in enumerate(args if builtin else ()):
+        if arg.startswith("--env-file="):
+            return arg.split("=", 1)[1], True
+        if arg == "--env-file" and i + 1 < len(args):
+            return args[i + 1], True
+    return ".env", False
+
+
+def located(env: Mapping[str, str], var: str) -> str:
+    """A setting's name for a message: with the dotenv file and line its value came from, if it did."""
+    where = getattr(env, "where", {}).get(var)
+    return f"{var} ({where})" if where else var
+
+
 def env_int(env: Mapping[str, str], var: str, default: int | None, minimum: int, maximum: int | None = None,
             label: str | None = None, origin: str | None = None) -> int:
     """An integer environment setting, or the one-line error naming it (label: with where it came from; origin:
     what set it, when not the user)."""
-    raw, label = env.get(var, "").strip(), label or var
+    raw, label = env.get(var, "").strip(), label or located(env, var)
     fix = (lambda what: f"set {var} to {what}") if origin is None else (
         lambda what: f"{var} comes from {origin}: find what overwrote it (job script, image ENV) or unset it")
     if not raw:
@@ -111,7 +156,7 @@ def grace_s(env: Mapping[str, str], var: str = "STOP_GRACE_PERIOD", default: str
     seconds = duration_s(raw)
     if seconds is None or seconds < 1:
         what = "is not a duration" if seconds is None else "leaves no time to stop (1 s at least)"
-        raise UsageError(var, f"'{raw}' {what}", f"give a duration such as {DEFAULT_STOP_GRACE} or 1m30s (Compose's "
+        raise UsageError(located(env, var), f"'{raw}' {what}", f"give a duration such as {DEFAULT_STOP_GRACE} or 1m30s (Compose's "
                          "format; a bare number is seconds): the time a stop's checkpoint may take")
     return seconds
 
@@ -141,7 +186,7 @@ def boolean(env: Mapping[str, str], var: str, default: bool, meaning: str) -> bo
         return default
     if raw.lower() in TRUE_WORDS + FALSE_WORDS:
         return raw.lower() in TRUE_WORDS
-    raise UsageError(var, f"'{raw}' is not a boolean", meaning)
+    raise UsageError(located(env, var), f"'{raw}' is not a boolean", meaning)
 
 
 @dataclass(frozen=True)
@@ -166,7 +211,7 @@ def read(env: Mapping[str, str], elastic: bool) -> LauncherSettings:
                            origin="torchrun's PET_* variables (Kubeflow Trainer v2's torch runtime sets them)")
     choice = env.get("SCRIPT_LAUNCH", "").strip().lower() or "auto"
     if choice not in SCRIPT_LAUNCH_CHOICES:
-        raise UsageError("SCRIPT_LAUNCH", f"'{choice}' is not one of {', '.join(SCRIPT_LAUNCH_CHOICES)}",
+        raise UsageError(located(env, "SCRIPT_LAUNCH"), f"'{choice}' is not one of {', '.join(SCRIPT_LAUNCH_CHOICES)}",
                          "per-host runs a script that starts its own processes (mp.spawn) once on each host; "
                          "torchrun runs a copy per rank; auto (the default) tells them apart by the source")
     return LauncherSettings(
