@@ -89,6 +89,33 @@ def test_sigkilled_worker_restarts_the_group_and_ends_as_if_uninterrupted(tmp_pa
                        load_checkpoint(reference / "checkpoints" / newest)["optimizer"]["state"][0])
 
 
+def test_a_restart_resumes_from_the_runs_newest_checkpoint_not_again_from_an_explicit_resume_file(tmp_path, launches):
+    """--resume FILE starts the run; a worker killed after the run has committed later steps restarts from the
+    newest of those, as the restart line says. Before: every restart loaded FILE again and threw the steps since
+    away (only --resume never was switched to auto on a restart)."""
+    source = tmp_path / "source"
+    finished = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(source, samples=640)], cwd=tmp_path,
+                              env=clean_env(), capture_output=True, text=True, timeout=RUN_BOUND_S)  # 40 steps
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    start = source / "checkpoints" / "step-00000020.pt"
+    run = Launch([*tiny_run(tmp_path, samples=6400), "--resume", str(start)], tmp_path,
+                 launcher_env(free_port(), MAX_RESTARTS="1"))
+    launches.append(run)
+    wait_until(lambda: any(step >= 40 for step in checkpoint_steps(tmp_path / "checkpoints"))
+               or run.proc.poll() is not None, RUN_BOUND_S, f"this run's checkpoints\n{run.output()[-2000:]}")
+    committed = max(checkpoint_steps(tmp_path / "checkpoints"))
+    os.kill(run.workers()[1], signal.SIGKILL)
+    assert run.wait(RUN_BOUND_S) == 0, run.output()[-4000:]
+    output = run.output()
+    assert f"resuming from {start} (step 20," in output
+    after = output.split("restart 1 of 1: ", 1)
+    assert len(after) == 2 and after[1].startswith("rank 1 was killed by SIGKILL; every rank of this host starts "
+                                                   "again from the newest checkpoint"), output[-3000:]
+    resumed = re.search(rf"resuming from {tmp_path / 'checkpoints'}/step-(\d+)\.pt", after[1])
+    assert resumed and int(resumed.group(1)) >= committed, after[1][-3000:]
+    assert read_summary(tmp_path / "runs")["resumed_from_step"] == int(resumed.group(1))
+
+
 def test_a_static_job_takes_back_a_host_whose_launcher_was_started_again(tmp_path, launches):
     """NNODES=2 with MAX_RESTARTS: one host lost (its launcher SIGKILLed, its workers with it), the other
     restarts its ranks and waits; the lost host's launcher started again, with its restart count at 0, joins the

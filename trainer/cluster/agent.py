@@ -26,6 +26,7 @@ from typing import Iterator
 
 from trainer.cluster import presence, workers
 from trainer.cluster.watchdog import Watchdog
+from trainer.config.settings import RUN_STARTED_ENV
 from trainer.core.errors import USAGE_EXIT_CODE, print_error
 
 BOOTSTRAP = ("-m", "trainer.parallel.bootstrap")
@@ -267,6 +268,7 @@ def run(launch, program: list[str]) -> int:
     if "OMP_NUM_THREADS" not in os.environ and topology.nproc_per_node > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's default for several workers per host
     os.environ[workers.AGENT_PID_ENV] = str(os.getpid())
+    os.environ[RUN_STARTED_ENV] = str(time.time())  # a restart resumes from what this run has committed since
     for sig in STOP_SIGNALS:  # a stop during the rendezvous ends as one the agent saw (it takes them over later)
         signal.signal(sig, _raise_stop)
     with agent_folder() as name:

@@ -14,6 +14,7 @@ import importlib.util
 import io
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -326,10 +327,27 @@ def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], en
         sources.pop("batch_size", None)
         values.pop("batch_size", None)
         sources["global_batch_size"] = f"the elastic job's global batch ({flag_name('batch_size')} at world size {largest})"
-    if values.get("resume") == "never" and environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+    restarted = environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    if values.get("resume") == "never" and restarted:
         # torchrun restarted the workers after a failure: the checkpoints there are this run's own.
         values["resume"] = "auto"
+    elif restarted and values.get("resume") not in (None, "auto") and environ.get(RUN_STARTED_ENV, "").strip():
+        # An explicit --resume FILE started the run: a restart goes on from what the run committed since (the
+        # launcher's agent says when the run started; older checkpoints there are another run's), else from FILE.
+        values["resume"] = newest_since(TrainConfig(**values).checkpoint_dir, float(environ[RUN_STARTED_ENV])) or \
+            values["resume"]
     return _validated(TrainConfig(**values), world_size, sources)
+
+
+RUN_STARTED_ENV = "TRAINER_RUN_STARTED"  # the launcher's agent: when this run began (time.time())
+
+
+def newest_since(directory: str, started: float) -> str | None:
+    """The newest committed checkpoint (step-N.pt, or fsdp's step-N/) written in the directory since `started`."""
+    found = [p for p in Path(directory).glob("step-*") if re.fullmatch(r"step-\d+(\.pt)?", p.name)] \
+        if Path(directory).is_dir() else []
+    found = [p for p in found if p.stat().st_mtime >= started]
+    return str(max(found, key=lambda p: int(p.name[5:].split(".")[0]))) if found else None
 
 
 def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
