@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,8 +73,8 @@ def test_sigkilled_worker_restarts_the_group_and_ends_as_if_uninterrupted(tmp_pa
 
     assert run.wait(RUN_BOUND_S) == 0, run.output()[-4000:]
     assert uninterrupted.wait(RUN_BOUND_S) == 0, uninterrupted.output()[-4000:]
-    assert ("restart 1 of 2: rank 1 was killed by SIGKILL; every rank of this host starts again from the newest "
-            "checkpoint") in run.output()
+    assert (f"restart 1 of 2: rank 1 (host {socket.gethostname()}) was killed by SIGKILL; every rank of this host "
+            "starts again from the newest checkpoint") in run.output()
     # The survivor's SIGTERM is torchrun tearing the group down, not a user's stop.
     assert "received SIGTERM: stopping within a step or two" not in run.output(), run.output()[-4000:]
     done, expected = read_summary(faulty / "runs"), read_summary(reference / "runs")
@@ -109,8 +110,9 @@ def test_a_restart_resumes_from_the_runs_newest_checkpoint_not_again_from_an_exp
     output = run.output()
     assert f"resuming from {start} (step 20," in output
     after = output.split("restart 1 of 1: ", 1)
-    assert len(after) == 2 and after[1].startswith("rank 1 was killed by SIGKILL; every rank of this host starts "
-                                                   "again from the newest checkpoint"), output[-3000:]
+    assert len(after) == 2 and after[1].startswith(f"rank 1 (host {socket.gethostname()}) was killed by SIGKILL; "
+                                                   "every rank of this host starts again from the newest checkpoint"), \
+        output[-3000:]
     resumed = re.search(rf"resuming from {tmp_path / 'checkpoints'}/step-(\d+)\.pt", after[1])
     assert resumed and int(resumed.group(1)) >= committed, after[1][-3000:]
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == int(resumed.group(1))
@@ -200,10 +202,13 @@ def test_killed_peer_without_restarts_fails_fast_naming_the_signal(tmp_path, lau
     assert run.wait(SLACK_S) == 1  # far below the 300 s collective timeout: a dead peer is seen at once
     output = run.output()
     assert_no_traceback(output)
-    # The survivor's own line: the closed connection, not a timeout.
-    survivor = [line for line in error_lines(output) if line.startswith("error: collective: ")]
+    # The survivor's own line: the closed connection, not a timeout; a warning, since rank 1 of its host failed
+    # first: the one error line is the launcher's, for the cause.
+    survivor = [line for line in output.splitlines() if line.startswith("warning: collective: ")]
     assert len(survivor) == 1 and "Timed out" not in survivor[0], output[-3000:]
     assert "--collective-timeout, now 300 s, sets the wait" in survivor[0], survivor[0]
+    assert survivor[0].endswith("; a rank of this host failed first"), survivor[0]
+    assert len(error_lines(output)) == 1, output[-3000:]
     assert error_lines(output)[-1].startswith("error: training failed: rank 1 was killed by SIGKILL"), output[-3000:]
 
 

@@ -83,6 +83,7 @@ def test_script_launch_torchrun_overrides_what_the_source_suggests(tmp_path):
     detected = dry_run()
     assert detected["command"][:2] == [sys.executable, str(USER_CODE / "tutorial_spawn.py")]
     assert detected["once_per_host"] == "it calls torch.multiprocessing's spawn"
+    assert forced["mode"] == "torchrun" and detected["mode"] == "per-host"  # not torchrun's, beside once_per_host
     assert dry_run(SCRIPT_LAUNCH="per-host")["once_per_host"] == "SCRIPT_LAUNCH=per-host"
 
 
@@ -103,6 +104,7 @@ import time
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
+time.sleep(0.5)  # training began: the launcher's record of it polls every 50 ms
 print(f"rank {dist.get_rank()} training", flush=True)
 while True:
     time.sleep(0.1)
@@ -120,7 +122,8 @@ def test_sigterm_to_a_script_without_a_handler_is_not_called_a_success(tmp_path,
     assert run.wait(60) == 128 + signal.SIGTERM, run.output()[-3000:]
     last = run.output().strip().splitlines()[-1]
     assert last == ("stopped by SIGTERM: ranks 0, 1 were killed before exiting (no handler for SIGTERM, or still "
-                    "busy after torchrun's 30 s); no checkpoint was committed at the stop"), last
+                    "busy after the 55 s a stop gives, STOP_GRACE_PERIOD less the launcher's room); no checkpoint "
+                    "through trainer.api (the launcher does not see a script's own checkpoint files)"), last
 
 
 # ------------------------------------------------------------------ one grace period
@@ -139,6 +142,7 @@ def stop(signum, frame):
 
 signal.signal(signal.SIGTERM, stop)
 dist.init_process_group("gloo")
+time.sleep(0.5)  # training began: the launcher's record of it polls every 50 ms
 print(f"rank {dist.get_rank()} training", flush=True)
 while True:
     time.sleep(0.1)
@@ -161,7 +165,8 @@ def test_a_40_s_stop_under_stop_grace_period_70_exits_0_with_both_ranks_done(tmp
     assert "rank 0 done" in output and "rank 1 done" in output
     assert "--shutdown-timeout=65 " in output  # the equivalent torchrun command says the same
     assert output.strip().splitlines()[-1] == ("stopped by SIGTERM: every worker on this host exited 0; no checkpoint "
-                                               "was committed at the stop")
+                                               "through trainer.api (the launcher does not see a script's own "
+                                               "checkpoint files)")
 
 
 def test_a_stop_grace_period_longer_than_the_platforms_is_one_warning(tmp_path):
@@ -177,7 +182,7 @@ def test_a_stop_grace_period_longer_than_the_platforms_is_one_warning(tmp_path):
         " 60 s): the platform kills the container first; give both the same time",
         "warning: STOP_GRACE_PERIOD (120 s) is longer than the pod's terminationGracePeriodSeconds "
         "(TERMINATION_GRACE_PERIOD_SECONDS=90, 90 s): the platform kills the container first; give both the same time"]
-    assert json.loads(result.stdout)["mode"] == "torchrun"
+    assert json.loads(result.stdout)["mode"] == "per-host"
     quiet = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", str(USER_CODE /
                            "tutorial_tcp.py")], cwd=tmp_path, capture_output=True, text=True,
                            env=clean_env({**env, "STOP_GRACE_PERIOD": "60s"}), timeout=60)
@@ -263,9 +268,95 @@ def test_a_torchrun_log_line_reworded_changes_nothing_in_the_launchers_end(tmp_p
                             env=clean_env(env), capture_output=True, text=True, timeout=RUN_BOUND_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch's elastic log reworded here" in result.stderr
-    assert ("restart 1 of 1: rank 1 exited with code 3; every rank of this host starts again from the newest "
-            "checkpoint") in result.stderr, result.stderr[-3000:]
+    assert (f"restart 1 of 1: rank 1 (host {socket.gethostname()}) exited with code 3; every rank of this host starts "
+            "again from the newest checkpoint") in result.stderr, result.stderr[-3000:]
     assert "rank 0 attempt 1 done" in result.stdout and "rank 1 attempt 1 done" in result.stdout
+
+
+# ------------------------------------------------------------------ lines that are true, and one per cause
+
+FAILS_ONCE_ELASTIC = """
+import os, sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+dist.barrier()
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_names_the_global_rank_and_its_host(tmp_path, launches):
+    """NNODES=1:2, two launchers of one worker each on this machine: the worker with RANK=1 (its local rank is 0)
+    exits 3 once. Its host's restart line names rank 1 and the host. Before: the local rank ("rank 0"), no host."""
+    (tmp_path / "fails_once.py").write_text(FAILS_ONCE_ELASTIC)
+    port = free_port()
+    hosts = [Launch(["fails_once.py"], tmp_path, launcher_env(port, NNODES="1:2", NPROC_PER_NODE="1",
+                                                              MASTER_ADDR="127.0.0.1", MAX_RESTARTS="1"),
+                    name=f"host{n}") for n in (0, 1)]
+    launches.extend(hosts)
+    for one in hosts:
+        assert one.wait(RUN_BOUND_S) == 0, one.output()[-3000:]
+    both = hosts[0].output() + hosts[1].output()
+    assert re.search(rf"^restart 1 of 1: rank 1 \(host {re.escape(socket.gethostname())}\) exited with code 3; the "
+                     r"hosts still here meet again \(NNODES=1:2\)", both, re.M), both[-3000:]
+    assert "rank 0 of 2 done" in both and "rank 1 of 2 done" in both
+
+
+SLOW_IMPORTS = """
+import time
+
+print("importing", flush=True)
+time.sleep(60)  # a framework's imports
+"""
+
+
+def test_a_stop_during_start_up_says_so(tmp_path, launches):
+    """SIGTERM while the workers are still starting (no process group yet): the line says what happened, not the
+    reasons of a stop in training (no handler, a stop that took too long)."""
+    (tmp_path / "slow_imports.py").write_text(SLOW_IMPORTS)
+    run = Launch(["slow_imports.py"], tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    wait_until(lambda: run.output().count("importing") >= 2, RUN_BOUND_S, "both workers to start")
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM, run.output()[-3000:]
+    assert run.output().strip().splitlines()[-1] == (
+        "stopped by SIGTERM during start-up, before training began; no checkpoint through trainer.api (the launcher "
+        "does not see a script's own checkpoint files)")
+
+
+RAISES = """
+import os
+
+
+def load_batch():
+    raise ValueError("a batch the script cannot read")
+
+
+if os.environ["RANK"] == "1":
+    load_batch()
+"""
+
+
+def test_a_scripts_traceback_starts_at_the_scripts_own_frames(tmp_path):
+    """The worker runs the script through runpy and the launcher's bootstrap: their frames are left out of the
+    script's traceback, as torchrun's @record leaves its own out; the launcher's line follows."""
+    (tmp_path / "raises.py").write_text(RAISES)
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "raises.py"], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
+                            timeout=RUN_BOUND_S)
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    first = lines.index("Traceback (most recent call last):")
+    assert lines[first + 1] == '  File "raises.py", line 10, in <module>', lines[first:first + 6]
+    assert "runpy" not in result.stderr and "bootstrap.py" not in result.stderr, result.stderr
+    assert "ValueError: a batch the script cannot read" in lines
+    assert error_lines(result.stderr) == ["error: training failed: rank 1 exited with code 1; its own error is "
+                                          "printed above"]
 
 
 # ------------------------------------------------------------------ no orphans

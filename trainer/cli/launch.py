@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import socket
 import sys
 from typing import Mapping, Sequence
@@ -51,8 +52,18 @@ def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, li
     return False, args
 
 
+def stopped_at_start(signum, _frame) -> None:
+    """A stop before the agent takes the signals over (it does once torch is loaded): nothing has started."""
+    print(f"stopped by {signal.Signals(signum).name} during start-up, before training began", file=sys.stderr,
+          flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stopped_at_start)
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__ + help_table() + EPILOG)
         print("\nThe built-in trainer's options (python -m trainer --help):")
@@ -64,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in launcher.grace_warnings(env, launch.settings.stop_grace):
             print(line, file=sys.stderr, flush=True)
         if dry_run:
-            per_host = {} if launch.per_host is None else {"once_per_host": launch.per_host}
+            per_host = {} if launch.per_host is None else {"mode": "per-host", "once_per_host": launch.per_host}
             print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
             return 0
         if launch.rendezvous is not None and not launch.topology.elastic:  # c10d: any host may host it

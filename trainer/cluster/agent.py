@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from trainer.core.errors import USAGE_EXIT_CODE, print_error
 BOOTSTRAP = ("-m", "trainer.parallel.bootstrap")
 STORE_LOST_S = 30.0  # an elastic host that has not reached the rendezvous store for this long ends itself
 BARRIER_NOTE_S = 3.0  # a wait for the other hosts that lasts this long is announced
+HOST = socket.gethostname()
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
 AGENT_LOG, PROCESSES_LOG = "torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"
 
@@ -75,21 +77,25 @@ def describe_child_failure(failures: dict, gone: str | None = None, ended: froze
     return f"training failed: {what}", (code if code > 0 else 1)
 
 
-def describe_stop(sig: int, folder: Path, expected: int) -> tuple[str, int]:
-    """(last line, exit code) after a signal stopped this host: 0 only when every worker exited 0."""
+def describe_stop(sig: int, folder: Path, expected: int, grace: int) -> tuple[str, int]:
+    """(last line, exit code) after a signal stopped this host: 0 only when every worker exited 0. grace: the seconds
+    the workers had to stop."""
     name = signal.Signals(sig).name
     found = workers.read_workers(folder)
     committed = sorted({w.committed for w in found if w.committed})
     saved = f"the stop checkpoint {committed[-1]} is committed" if committed else \
-        "no checkpoint was committed at the stop"
+        "no checkpoint was committed at the stop" if any(w.supervised for w in found) else \
+        "no checkpoint through trainer.api (the launcher does not see a script's own checkpoint files)"
     if found and len(found) == expected and all(w.exit == 0 for w in found):
         return f"stopped by {name}: every worker on this host exited 0; {saved}", 0
+    if not any(w.training or (w.joined and not w.supervised) for w in found):
+        return f"stopped by {name} during start-up, before training began; {saved}", 128 + sig
     killed = [w.rank for w in found if w.exit is None]
     parts = [f"rank {w.rank} exited with code {w.exit}" for w in found if w.exit not in (None, 0)]
     if killed:
         parts.append(f"{'rank' if len(killed) == 1 else 'ranks'} {', '.join(map(str, killed))} "
                      f"{'was' if len(killed) == 1 else 'were'} killed before exiting (no handler for {name}, or "
-                     "still busy after torchrun's 30 s)")
+                     f"still busy after the {grace} s a stop gives, STOP_GRACE_PERIOD less the launcher's room)")
     if len(found) < expected:
         parts.append(f"{expected - len(found)} worker(s) had not started")
     return f"stopped by {name}: {'; '.join(parts)}; {saved}", 128 + sig
@@ -154,7 +160,7 @@ class Job:
         if self.failures > self.settings.max_restarts or not result.failures:
             return
         rank, failure = cause(result.failures)
-        code, nodes = failure.exitcode, self.topology.node_range
+        code, nodes, rank = failure.exitcode, self.topology.node_range, f"{rank} (host {HOST})"
         head = f"restart {self.failures} of {self.settings.max_restarts}"
         if code == workers.HOST_LEFT_EXIT_CODE and self.topology.elastic:
             return say(f"{head}: another host left the job (it was stopped, and every rank committed a checkpoint); "
@@ -295,7 +301,7 @@ def run(launch, program: list[str]) -> int:
                 print_error(dog.fired)
                 return 1
             # The agent has passed the signal on and waited for the workers (STOP_GRACE_PERIOD), then killed them.
-            message, code = describe_stop(err.sigval, folder, topology.nproc_per_node)
+            message, code = describe_stop(err.sigval, folder, topology.nproc_per_node, settings.workers_grace)
             say(message)
             return code
         except (RendezvousError, DistError, TimeoutError) as err:

@@ -45,6 +45,8 @@ class Worker:
     frameworks: tuple[str, ...] = ()  # training frameworks it had imported, by the end
     single_process: tuple[str, ...] = ()  # of those, the ones that ran it as a job of one
     group: str = ""  # workers.group() of its start
+    supervised: bool = False  # it runs trainer.api's Run (its stop checkpoints are noted here)
+    training: bool = False  # ... whose training loop has begun (a stop now is a checkpointed one)
 
     @property
     def alive(self) -> bool:
@@ -71,7 +73,8 @@ def read_workers(folder: Path) -> list[Worker]:
             workers.append(Worker(int(path.stem.split("-")[1]), int(facts["pid"]), int(facts.get("pgid", 0)),
                                   facts.get("exit"), facts.get("committed"), bool(facts.get("joined")),
                                   tuple(facts.get("frameworks", ())), tuple(facts.get("single_process", ())),
-                                  str(facts.get("group", ""))))
+                                  str(facts.get("group", "")), bool(facts.get("supervised")),
+                                  bool(facts.get("training"))))
         except (OSError, ValueError, KeyError):
             continue
     return sorted(workers, key=lambda w: w.rank)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator
@@ -40,7 +41,7 @@ from trainer.parallel import collectives
 from trainer.parallel.collectives import MainRankFailed
 from trainer.parallel.compat import private
 from trainer.parallel.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
-from trainer.parallel.supervised import Supervised, stuck_peers
+from trainer.parallel.supervised import Supervised, peer_failed_first, stuck_peers
 from trainer.parallel.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
 from trainer.observe.metrics import setup_logging
 from trainer.observe.observers import Observers
@@ -591,9 +592,13 @@ class Run:
         if what is not None:
             stuck = stuck_peers()  # this host's ranks outside the collective, by their stacks (a second)
             what = f"{what}; {stuck}" if stuck else what
-            print_error(f"collective: {what} (a peer rank died or stalled, or the network between hosts broke; see "
-                        f"the other ranks' logs; {self._label('collective_timeout')}, now "
-                        f"{self.settings.collective_timeout:g} s, sets the wait)")
+            line = (f"collective: {what} (a peer rank died or stalled, or the network between hosts broke; see the "
+                    f"other ranks' logs; {self._label('collective_timeout')}, now {self.settings.collective_timeout:g} "
+                    "s, sets the wait)")
+            if peer_failed_first():  # the cause is that rank's: the launcher's one error line names it
+                sys.stderr.write(f"warning: {line}; a rank of this host failed first\n")
+            else:
+                print_error(line)
             raise SystemExit(1) from None
         return False  # the script's own error: its traceback, then the launcher's line naming the rank
 

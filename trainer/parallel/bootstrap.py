@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from trainer.cluster.workers import AGENT_DIR_ENV, PROGRESS_EVERY, STACKS_SIGNAL, read_workers
@@ -282,7 +283,17 @@ def main() -> None:
         note_the_end(code if isinstance(code, int) else (0 if code is None else 1))
         collect_while_alive()
         raise
-    except BaseException:
+    except Exception as err:  # noqa: BLE001 (the user's error: its traceback from its own frames, exit 1)
+        note_the_end(1)
+        # The user's traceback from the user's first frame, as torchrun's @record shows it: not runpy's and ours.
+        tb = err.__traceback__
+        while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or
+                                  os.path.basename(tb.tb_frame.f_code.co_filename) in ("<frozen runpy>", "runpy.py")):
+            tb = tb.tb_next
+        traceback.print_exception(type(err), err, tb)
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    except BaseException:  # KeyboardInterrupt: Python's own end (it exits by the signal)
         note_the_end(1)
         raise
     note_the_end(0)

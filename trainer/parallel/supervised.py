@@ -149,6 +149,17 @@ def peer_failed_here() -> bool:
                for w in workers.read_workers(folder))
 
 
+def peer_failed_first(wait_s: float = 1.0) -> bool:
+    """After this rank's collective failed: whether a sibling on this host failed first (its death closed the
+    connection; the kernel may take a moment to show it dead), so that this rank's line is not a second error."""
+    deadline = time.monotonic() + wait_s
+    while not peer_failed_here():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def stuck_peers() -> str | None:
     """For a worker whose collective just failed: which other ranks of this host are not inside it (None: all
     are, or there is no agent's folder to ask through)."""
@@ -194,11 +205,13 @@ class Supervised:
         self.ctx = ctx
         self.vote = StopVote(ctx)
         self.stop: GracefulStop | None = None
+        bootstrap.note(supervised=True)
 
     def start(self) -> None:
         """Training begins: SIGTERM and SIGINT ask for a stop from now on."""
         if self.stop is None:
             self.stop = GracefulStop()
+            bootstrap.note(training=True)
 
     @property
     def requested(self) -> bool:
