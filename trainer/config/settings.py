@@ -14,7 +14,6 @@ import importlib.util
 import io
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -343,11 +342,10 @@ RUN_STARTED_ENV = "TRAINER_RUN_STARTED"  # the launcher's agent: when this run b
 
 
 def newest_since(directory: str, started: float) -> str | None:
-    """The newest committed checkpoint (step-N.pt, or fsdp's step-N/) written in the directory since `started`."""
-    found = [p for p in Path(directory).glob("step-*") if re.fullmatch(r"step-\d+(\.pt)?", p.name)] \
-        if Path(directory).is_dir() else []
-    found = [p for p in found if p.stat().st_mtime >= started]
-    return str(max(found, key=lambda p: int(p.name[5:].split(".")[0]))) if found else None
+    """The newest committed checkpoint written in the directory since `started` (None: none)."""
+    from trainer.config.resume import list_checkpoints  # the one home of the checkpoints' names
+
+    return next((str(p) for p in list_checkpoints(Path(directory)) if p.stat().st_mtime >= started), None)
 
 
 def _reject_unknown_names(variables: Mapping[str, str], where: str) -> None:
