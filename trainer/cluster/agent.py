@@ -12,6 +12,7 @@ workers' records (workers.py) say how a stop ended. Torch-free at import: torch 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import shutil
@@ -200,6 +201,17 @@ def agent_type():
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
     logging.getLogger(AGENT_LOG).setLevel(logging.CRITICAL + 1)  # its rendezvous pages, the barrier's traceback
+    # What this agent is built from (torch 2.13 and 2.14 have all of it): a torch without it is refused in one line.
+    missing = [name for name in ("_start_workers", "_stop_workers", "_monitor_workers", "_shutdown")
+               if not callable(getattr(LocalElasticAgent, name, None))] + \
+        [name for name in ("exit_barrier_timeout", "shutdown_timeout")
+         if name not in inspect.signature(LocalElasticAgent).parameters]
+    if missing:
+        import torch
+
+        print_error(f"torch: {torch.__version__}'s elastic agent has no {', '.join(missing)}, which trainer-launch "
+                    "drives (install a torch from 2.13 on that has them, as pyproject.toml declares)")
+        raise SystemExit(2)
 
     class Agent(LocalElasticAgent):
         def __init__(self, spec, job: Job):
