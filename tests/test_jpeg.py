@@ -430,7 +430,7 @@ def test_more_bad_files_in_an_epoch_than_max_bad_files_stop_every_rank_in_one_li
     run = [*RUN_FOLDER, "--data-dir", str(tmp_path / "data"), "--val-every", "0", "--log-every", "2"]
 
     def launch(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "trainer.cluster.launch", *run, *args], cwd=tmp_path,
+        return subprocess.run([sys.executable, "-m", "trainer.cli.launch", *run, *args], cwd=tmp_path,
                               env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
 

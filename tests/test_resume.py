@@ -142,7 +142,7 @@ def test_the_fix_the_wrong_model_error_names_works(uninterrupted, tmp_path):
     --resume never; with --resume never the run starts afresh there, the cnn's checkpoints set aside (it used to be
     refused in turn, the folder holding another run's checkpoints)."""
     shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
-    run = [sys.executable, "-m", "trainer.cluster.launch", "--model", "autoencoder", "--synthetic-size", "64",
+    run = [sys.executable, "-m", "trainer.cli.launch", "--model", "autoencoder", "--synthetic-size", "64",
            "--batch-size", "8", "--max-steps", "2", "--num-workers", "0", *dirs_args(tmp_path)]
     env = clean_env({"PREFLIGHT": "0", "NPROC_PER_NODE": "2"})
     refused = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

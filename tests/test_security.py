@@ -114,7 +114,7 @@ def test_the_launchers_look_at_a_checkpoint_runs_none_of_its_code(tmp_path, payl
     planted = tmp_path / "checkpoints" / "step-00000099.pt"
     write_malicious_checkpoint(planted, marker)
     for resume in (str(checkpoint), "auto"):
-        result = subprocess.run([sys.executable, "-m", "trainer.cluster.launch", "--dry-run", "--model", "cnn",
+        result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", "--model", "cnn",
                                  "--resume", resume, "--checkpoint-dir", str(tmp_path / "checkpoints")], cwd=tmp_path,
                                 env=clean_env({"NPROC_PER_NODE": "2"}), capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
