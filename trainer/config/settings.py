@@ -28,6 +28,9 @@ ENV_PREFIX = "TRAIN_"
 DEFAULT_ENV_FILE = ".env"
 
 AUGMENTATIONS = ("auto", "imagenet", "light", "none")
+# --auto-augment: torchvision.transforms.v2's policies, by the reference script's names.
+AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
 # TRAIN_* names the launcher reads, which are not training options (the worker never sees them as such).
 LAUNCHER_VARIABLES = {"TRAIN_SCRIPT": "your own training script instead of the built-in trainer: a path, "
@@ -50,12 +53,35 @@ class TrainConfig:
                           "files), or your own as module:function")
     data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)")
     image_size: int = option(224, "imagefolder: side of the training and validation crops in pixels "
-                             "(e.g. 32 or 64 for small images)")
+                             "(e.g. 32 or 64 for small images; --train-crop-size and --val-crop-size set one "
+                             "of the two)")
     augment: str = option("auto", "imagefolder augmentation: imagenet (random-resized crop + flip), light "
                           "(random crop with padding + flip, for small images), none (resize + center crop); "
                           f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS)
     synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)")
     synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)")
+    # torchvision's reference recipe (references/classification/train.py): its flags, meanings and defaults,
+    # mapped onto the options above where they overlap (trainer/data/augment.py, docs/recipes.md).
+    train_crop_size: int = option(0, "side of the training crops in pixels (0: --image-size for image folders, "
+                                  "the images' own side for synthetic, cifar10 and mnist)")
+    val_resize_size: int = option(0, "image folders: the validation images' shorter side before the centre crop "
+                                  "(0: 8/7 of --val-crop-size, 256 for 224)")
+    val_crop_size: int = option(0, "side of the validation centre crops in pixels (0: --image-size for image "
+                                "folders, the images' own side for synthetic, cifar10 and mnist)")
+    interpolation: str = option("bilinear", "resampling of the resized crops and of --auto-augment's geometric "
+                                "operations (those take nearest or bilinear: bicubic crops get bilinear ones)",
+                                INTERPOLATIONS)
+    auto_augment: str = option("", "a per-sample augmentation policy after the crop and flip: ta_wide "
+                               "(TrivialAugmentWide), ra (RandAugment), augmix (AugMix), or AutoAugment's imagenet, "
+                               "cifar10 or svhn policy; empty: none")
+    ra_magnitude: int = option(9, "--auto-augment ra: RandAugment's magnitude (0 to 30)")
+    augmix_severity: int = option(3, "--auto-augment augmix: AugMix's severity (1 to 10)")
+    random_erase: float = option(0.0, "probability that a training sample gets a random rectangle erased "
+                                 "(RandomErasing, filled with the mean colour)")
+    ra_sampler: bool = option(False, "repeated augmentation: each epoch's samples come --ra-reps times each, on "
+                              "different ranks, under different augmentations; the epoch keeps its length, so it "
+                              "holds 1/--ra-reps of the distinct samples")
+    ra_reps: int = option(3, "--ra-sampler: the copies of each sample")
     # How long.
     epochs: int = option(5, "passes over the training data")
     max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)")
@@ -66,10 +92,29 @@ class TrainConfig:
     optimizer: str = option("sgd", "optimizer", ("sgd", "adamw"))
     lr: float = option(0.1, "peak learning rate")
     momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
-    weight_decay: float = option(5e-4, "weight decay (not applied to norms and biases)")
+    weight_decay: float = option(5e-4, "weight decay (norm layers and biases: --norm-weight-decay and "
+                                 "--bias-weight-decay)")
+    norm_weight_decay: float = option(0.0, "weight decay of the norm layers' parameters (BatchNorm, LayerNorm, "
+                                      "GroupNorm, InstanceNorm)")
+    bias_weight_decay: float = option(0.0, "weight decay of the biases (any parameter named bias, norm layers' "
+                                      "too)")
     lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"))
     warmup_steps: int = option(-1, "linear warm-up steps (-1: 5% of the run's optimizer steps, so that a "
                                "short run or a larger world size is not mostly warm-up)")
+    clip_grad_norm: float = option(0.0, "clip the gradients' total L2 norm to this bound before each optimizer "
+                                   "step (fp16: after the loss scale is taken out; fsdp: the norm over every "
+                                   "shard); logged as Grad/norm; unset: no clipping")
+    label_smoothing: float = option(0.0, "cross-entropy's label smoothing, 0 to below 1 (training loss only)")
+    mixup_alpha: float = option(0.0, "mixup: each batch blended with itself reversed, by a Beta(alpha, alpha) "
+                                "draw (0: off; with --cutmix-alpha, one of the two per batch)")
+    cutmix_alpha: float = option(0.0, "cutmix: a Beta(alpha, alpha)-sized box of each image replaced by its "
+                                 "neighbour's (0: off)")
+    model_ema: bool = option(False, "keep an exponential moving average of the weights (and buffers), "
+                             "validated beside the model and kept in every checkpoint")
+    model_ema_steps: int = option(32, "--model-ema: update the average every N optimizer steps")
+    model_ema_decay: float = option(0.99998, "--model-ema: the decay, adjusted as torchvision's reference does for "
+                                    "the global batch, --model-ema-steps and --epochs; during the LR warm-up the "
+                                    "average copies the weights")
     # Speed.
     amp: str = option("off", "mixed precision: bf16 (CUDA and CPUs), fp16 (CUDA, with a loss scaler)",
                      ("off", "bf16", "fp16"))
@@ -455,6 +500,66 @@ def _check_observability(cfg: TrainConfig, world_size: int, setting) -> None:
     profile_rank_list(cfg.profile_ranks, world_size, setting("profile_ranks"))
 
 
+def crop_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
+    """(training crop, validation resize, validation crop) in pixels: --train-crop-size, --val-resize-size and
+    --val-crop-size where given, else the sides the datasets had before them (--image-size for image folders, the
+    images' own for in-memory datasets) and 8/7 of the validation crop (torchvision's 256 for 224)."""
+    side = catalog.dataset_image_size(cfg.dataset, cfg.synthetic_image_size, cfg.image_size) \
+        if cfg.dataset in catalog.DATASETS else cfg.image_size
+    val_crop = cfg.val_crop_size or side
+    return cfg.train_crop_size or side, cfg.val_resize_size or int(val_crop * 8 / 7), val_crop
+
+
+def _check_recipe(cfg: TrainConfig, sources: dict[str, str], setting) -> None:
+    """The reference recipe's settings (torchvision's references/classification/train.py)."""
+    if "clip_grad_norm" in sources and cfg.clip_grad_norm <= 0:  # nan and inf: _convert refused them
+        problem = "0 would scale every gradient to zero" if cfg.clip_grad_norm == 0 else \
+            f"{cfg.clip_grad_norm:g} is below 0"
+        raise UsageError(setting("clip_grad_norm"), problem, "give a positive bound such as 1.0, or leave it unset "
+                         "for no clipping")
+    if cfg.label_smoothing >= 1:
+        raise UsageError(setting("label_smoothing"), f"{cfg.label_smoothing:g} is not below 1 (1 leaves the true "
+                         "class no more weight than the others)", "use a value from 0 to below 1, such as 0.1")
+    if not 0 < cfg.model_ema_decay < 1:
+        raise UsageError(setting("model_ema_decay"), f"{cfg.model_ema_decay:g} is not between 0 and 1",
+                         "use a decay such as 0.99998 (the reference's), above 0 and below 1")
+    if cfg.auto_augment and cfg.auto_augment not in AUTO_AUGMENT:
+        close = difflib.get_close_matches(cfg.auto_augment, AUTO_AUGMENT, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(setting("auto_augment"), f"unknown policy '{cfg.auto_augment}'",
+                         f"{hint}choose one of {', '.join(AUTO_AUGMENT)}, or leave it empty for none")
+    for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
+        if 0 < getattr(cfg, name) < 8:
+            raise UsageError(setting(name), f"{getattr(cfg, name)} is below 8", "use 8 or more, or 0 for the default")
+    train_crop, val_resize, val_crop = crop_sizes(cfg)
+    if catalog.in_memory(cfg.dataset):
+        side = catalog.dataset_image_size(cfg.dataset, cfg.synthetic_image_size, cfg.image_size)
+        for name in ("train_crop_size", "val_crop_size"):
+            if getattr(cfg, name) > side:
+                raise UsageError(setting(name), f"{getattr(cfg, name)} is larger than the {side}x{side} images of "
+                                 f"{cfg.dataset}", f"use {side} or less (0: the whole image)")
+        if cfg.val_resize_size:
+            raise UsageError(setting("val_resize_size"), f"{cfg.dataset}'s images all are {side}x{side}, never "
+                             "resized", "drop it (--val-crop-size crops their centre)")
+    elif cfg.dataset in ("imagefolder", "packed") and val_crop > val_resize:
+        raise UsageError(setting("val_crop_size" if cfg.val_crop_size else "val_resize_size"),
+                         f"a {val_crop} px centre crop of images resized to {val_resize} px", "make --val-resize-size "
+                         "at least --val-crop-size")
+    if cfg.interpolation != "bilinear" and cfg.dataset == "imagefolder" and cfg.decode == "gpu":
+        raise UsageError(setting("interpolation"), f"{cfg.interpolation}, and --decode gpu resizes bilinearly "
+                         "(roi_align)", "use --interpolation bilinear with --decode gpu, or --decode cpu")
+    mixing = next((name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name)), None)
+    if mixing and cfg.model in catalog.MODELS and catalog.MODELS[cfg.model].reconstructs:
+        raise UsageError(setting(mixing), f"mixes class targets, and {cfg.model} is trained to reconstruct its "
+                         "inputs", f"drop {setting(mixing)} for --model {cfg.model}")
+    if cfg.model_ema and cfg.strategy == "fsdp":
+        raise UsageError(setting("model_ema"), "keeps a whole copy of the weights on every process, which fsdp "
+                         "shards", "drop it, or use --strategy ddp")
+    if cfg.model_ema and cfg.local_sgd_period:
+        raise UsageError(setting("model_ema"), "averages one model's weights, and --local-sgd-period lets every "
+                         "process's weights drift apart between averages", "drop one of the two")
+
+
 def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
     def setting(name: str) -> str:
         return sources.get(name, flag_name(name))
@@ -463,11 +568,16 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
                           ("max_steps", 0), ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0),
                           ("momentum", 0), ("weight_decay", 0), ("warmup_steps", -1), ("num_workers", 0),
                           ("val_every", 0), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
-                          ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0)):
+                          ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0), ("train_crop_size", 0),
+                          ("val_resize_size", 0), ("val_crop_size", 0), ("ra_magnitude", 0), ("augmix_severity", 1),
+                          ("random_erase", 0), ("ra_reps", 1), ("label_smoothing", 0), ("mixup_alpha", 0),
+                          ("cutmix_alpha", 0), ("norm_weight_decay", 0), ("bias_weight_decay", 0),
+                          ("model_ema_steps", 1)):
         if getattr(cfg, name) < minimum:
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
     for name, maximum in (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S),
-                          ("seed", 2**32 - 1)):
+                          ("seed", 2**32 - 1), ("train_crop_size", 4096), ("val_resize_size", 4096),
+                          ("val_crop_size", 4096), ("ra_magnitude", 30), ("augmix_severity", 10), ("random_erase", 1)):
         if getattr(cfg, name) > maximum:
             value = getattr(cfg, name)
             raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
@@ -477,6 +587,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
             raise UsageError(setting(name), "is empty", "give a directory path")
     _check_observability(cfg, world_size, setting)
     bad_file_bound(cfg.max_bad_files, 0, setting("max_bad_files"))
+    _check_recipe(cfg, sources, setting)
     catalog.check_model_name(cfg.model, setting("model"))
     catalog.check_dataset_name(cfg.dataset, setting("dataset"))
     if cfg.dataset == "synthetic":

@@ -25,11 +25,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainer.config import catalog
 from trainer.config.catalog import DataSpec
-from trainer.config.settings import TrainConfig, bad_file_bound
+from trainer.config.settings import TrainConfig, bad_file_bound, crop_sizes
 from trainer.core.errors import EchoedUsageError, UsageError, first_line
-from trainer.data.images import (BadFiles, ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_keys, seeded,
-                                 synthetic_spec, take_undecoded)
-from trainer.data.sampling import batch_range, epoch_shard
+from trainer.data.augment import sample_augment
+from trainer.data.images import (BadFiles, ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_key, sample_keys,
+                                 seeded, take_undecoded)
+from trainer.data.sampling import batch_range, epoch_shard, sample_of
 from trainer.parallel.collectives import local_main_first
 from trainer.parallel.compat import private
 from trainer.parallel.context import DistContext
@@ -175,20 +176,24 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
     """(train, val, spec); train and val are InMemoryImages or map-style datasets (val may be None)."""
     if catalog.is_import_path(cfg.dataset):
         return user_datasets(cfg)
+    train_crop, _, val_crop = crop_sizes(cfg)  # in memory: the images' side, or a smaller crop (Batches)
     if cfg.dataset == "synthetic":
         train, val = make_synthetic(cfg.synthetic_size, cfg.seed, cfg.synthetic_image_size)
-        return train, val, synthetic_spec(cfg.synthetic_image_size)
+        return train, val, builtin_spec("synthetic", train_crop)
     if cfg.dataset in ("cifar10", "mnist"):
         train, val = _torchvision_dataset(cfg, ctx)
-        return train, val, builtin_spec(cfg.dataset, catalog.DATASETS[cfg.dataset].image_size)
+        return train, val, builtin_spec(cfg.dataset, train_crop)
     if cfg.dataset == "packed":
         from trainer.data.pack import packed_datasets
 
         return packed_datasets(cfg)
     root = Path(cfg.data_dir)
     folder = image_folder_class(cfg, ctx)
-    train = folder(root / "train", True, cfg.image_size, cfg.augment, cfg.seed)
-    val = folder(root / "val", False, cfg.image_size, cfg.augment, cfg.seed) if (root / "val").is_dir() else None
+    entry = catalog.DATASETS["imagefolder"]
+    train = folder(root / "train", True, train_crop, cfg.augment, cfg.seed, interpolation=cfg.interpolation,
+                   samples=sample_augment(cfg, entry.mean, entry.channels))
+    val = folder(root / "val", False, val_crop, cfg.augment, cfg.seed, resize=cfg.val_resize_size,
+                 interpolation=cfg.interpolation) if (root / "val").is_dir() else None
     for split in (train, val):
         if isinstance(split, jpeg_module().GpuImageFolder):
             split.gpu_share = cfg.decode_gpu_share
@@ -199,7 +204,7 @@ def build_datasets(cfg: TrainConfig, ctx: DistContext):
         raise UsageError("--data-dir", f"train/ and val/ under {root} have different class folders "
                          f"({', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} in only one of them)",
                          "give val/ the same class folders as train/")
-    return train, val, builtin_spec("imagefolder", cfg.image_size, len(train.folder.classes))
+    return train, val, builtin_spec("imagefolder", train_crop, len(train.folder.classes))
 
 
 def jpeg_module():
@@ -252,9 +257,33 @@ def user_datasets(cfg: TrainConfig):
         if len(data) == 0:
             raise UsageError(setting, f"{path} returned an empty {split} dataset", "give it samples")
         _check_sample(data, spec, path, split)
+    _check_recipe_fits(cfg, train, spec, path)
     if val is None:
         log.warning("%s returned no validation data: validation is skipped", path)
     return (_UserDataset(train, cfg.seed), _UserDataset(val, cfg.seed) if val is not None else None, spec)
+
+
+def _check_recipe_fits(cfg: TrainConfig, train, spec: DataSpec, path: str) -> None:
+    """The recipe's settings a user's dataset can take: the policies and the erasure change uint8 images (on the
+    device, data.Batches), mixup and cutmix mix class indices; crops are the dataset's own business."""
+    given = next((name for name in ("train_crop_size", "val_resize_size", "val_crop_size") if getattr(cfg, name)),
+                 None)
+    if given:
+        raise UsageError("--" + given.replace("_", "-"), f"sizes the built-in datasets' crops, and {path} makes its "
+                         "own samples", "drop it, and crop in your dataset's transform")
+    inputs, target = train[0]
+    augmenting = "--auto-augment" if cfg.auto_augment else "--random-erase" if cfg.random_erase else None
+    if augmenting and not (inputs.dtype == torch.uint8 and inputs.ndim == 3):
+        raise UsageError(augmenting, f"changes uint8 images (C x H x W), and {path}'s inputs are {inputs.dtype} of "
+                         f"shape {tuple(inputs.shape)}", "return uint8 images from the dataset (the trainer "
+                         "normalises them with the spec's mean and std), or drop it")
+    mixing = "--mixup-alpha" if cfg.mixup_alpha else "--cutmix-alpha" if cfg.cutmix_alpha else None
+    labels = torch.as_tensor(target)
+    if mixing and (labels.is_floating_point() or labels.ndim != 0 or not spec.num_classes):
+        shown = f"{labels.dtype} of shape {tuple(labels.shape)}" if labels.ndim or labels.is_floating_point() else \
+            "class indices without num_classes in its spec"
+        raise UsageError(mixing, f"mixes class indices (one per sample), and {path}'s targets are {shown}",
+                         "drop it for this dataset, or return a class index per sample and num_classes in the spec")
 
 
 def _check_sample(data, spec: DataSpec, path: str, split: str) -> None:
@@ -285,17 +314,17 @@ def _check_sample(data, spec: DataSpec, path: str, split: str) -> None:
 # ---------------------------------------------------------------------------------------- batches
 
 class _KeyedOrder(Sampler):
-    """Yields (index, epoch) keys in an order set before each epoch (the main process owns it)."""
+    """Yields (index, key epoch) keys in an order set before each epoch (the main process owns it); the key epoch is
+    the epoch, or with --ra-sampler the epoch and the copy (sampling.sample_of)."""
 
     def __init__(self):
-        self.indices: list[int] = []
-        self.epoch = 0
+        self.keys: list[tuple[int, int]] = []
 
     def __iter__(self):
-        return iter([(i, self.epoch) for i in self.indices])
+        return iter(list(self.keys))
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.keys)
 
 
 class Sized:
@@ -317,8 +346,18 @@ class Batches:
     def __init__(self, data, spec: DataSpec, cfg: TrainConfig, ctx: DistContext, train: bool):
         self.spec, self.train, self.ctx = spec, train, ctx
         self.batch_size, self.seed = cfg.batch_size, cfg.seed
+        self.reps = cfg.ra_reps if cfg.ra_sampler and train else 1
         self.device = ctx.device
         in_memory = isinstance(data, InMemoryImages)
+        # --auto-augment and --random-erase on uint8 images, sample by sample: image folders (and packs) apply them
+        # in the loader's workers; here on the device for in-memory data, --decode gpu and users' datasets.
+        self.samples = None
+        if train and not getattr(data, "augments_samples", False):
+            self.samples = sample_augment(cfg, spec.mean, spec.channels)
+        # The built-in in-memory datasets: the images whole, or crops of them (--train-crop-size, --val-crop-size);
+        # 0: none (image folders crop in the workers, users' datasets themselves).
+        train_crop, _, val_crop = crop_sizes(cfg)
+        self.crop = (train_crop if train else val_crop) if catalog.in_memory(cfg.dataset) else 0
         use_memory = in_memory and cfg.loader != "dataloader"  # config refuses memory for on-disk data
         self.size = len(data)
         # Files that do not decode (image folders, packs): named and counted; an epoch's bounded (training).
@@ -350,7 +389,7 @@ class Batches:
     def _shard(self, epoch: int) -> list[int]:
         if not self.train:  # no padding: padded duplicates would be counted twice in the metrics
             return list(range(self.ctx.rank, self.size, self.ctx.world_size))
-        return epoch_shard(self.size, self.ctx.rank, self.ctx.world_size, self.seed, epoch)
+        return epoch_shard(self.size, self.ctx.rank, self.ctx.world_size, self.seed, epoch, self.reps)
 
     def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> "Sized":
         """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels); len() is
@@ -361,13 +400,16 @@ class Batches:
         return Sized(self._batches(epoch, indices), -(-len(indices) // self.batch_size))
 
     def _batches(self, epoch: int, indices: list[int]) -> Iterator:
+        """indices: this rank's (virtual, with --ra-sampler: sampling.epoch_shard) indices of the batches to give."""
         if self.memory is not None:
             order = torch.tensor(indices, dtype=torch.long, device=self.device)
             for begin in range(0, len(indices), self.batch_size):
                 idx = order[begin:begin + self.batch_size]
-                yield self._prepare(self.memory.images[idx], self.memory.labels[idx], idx, epoch)
+                rows = idx if self.reps == 1 else idx % self.size
+                yield self._prepare(self.memory.images[rows], self.memory.labels[rows], idx, epoch,
+                                    indices[begin:begin + self.batch_size])
             return
-        self.order.indices, self.order.epoch = indices, epoch
+        self.order.keys = [sample_of(i, self.size, self.reps, epoch) for i in indices]
         handed = collections.deque()  # a dataset's own batches (FileBatch) name their bad files; stage() reads ahead
 
         def from_loader():
@@ -382,31 +424,56 @@ class Batches:
                 self.bad_files.note(batch[2] if len(batch) > 2 else named or ())
                 self.bad_files.note(take_undecoded())
                 first = batch_number * self.batch_size
-                idx = torch.tensor(indices[first:first + len(labels)], dtype=torch.long)
+                chosen = indices[first:first + len(labels)]
+                idx = torch.tensor(chosen, dtype=torch.long)
                 # non_blocking for idx too: a blocking host-to-GPU copy would wait for the queued steps
                 yield self._prepare(images.to(self.device, non_blocking=True),
                                     labels.to(self.device, non_blocking=True),
-                                    idx.to(self.device, non_blocking=True), epoch)
+                                    idx.to(self.device, non_blocking=True), epoch, chosen)
         except UnreadableImage as err:
             raise UsageError("--data-dir", f"cannot read the image {err.what}", "remove or replace the file") from None
 
-    def _prepare(self, inputs: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int):
+    def _prepare(self, inputs: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor, epoch: int, chosen: list[int]):
+        """idx: the batch's (virtual) indices on the device; chosen: the same on the host (the per-sample keys of
+        --auto-augment and --random-erase are read there: no host sync)."""
         if inputs.dtype != torch.uint8 or inputs.ndim != 4:  # not a batch of uint8 images
             return inputs, labels
+        if self.samples is not None:
+            inputs = self.samples.batch(inputs, [sample_key(*sample_of(i, self.size, self.reps, epoch), self.seed)
+                                                 for i in chosen])
         x = inputs.float().mul_(self.scale).sub_(self.shift)
-        if self.train and self.spec.augment_on_device:
-            x = random_crop_flip(x, sample_keys(idx, epoch, self.seed))
+        side = x.shape[-1]
+        cropped = 0 < self.crop < side
+        if self.train and (self.spec.augment_on_device or cropped):
+            keys = sample_keys(idx, epoch, self.seed) if self.reps == 1 else \
+                sample_keys(idx % self.size, epoch * self.reps + idx // self.size, self.seed)
+            flips = self.spec.augment_on_device
+            x = random_crop_flip(x, keys, self.crop or side, CROP_PADDING if flips else 0, flips)
+        elif not self.train and cropped:
+            x = center_crop(x, self.crop)
         return x.contiguous(memory_format=self.memory_format), labels
 
 
-def random_crop_flip(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Per-sample random crop (zero padding 4) and horizontal flip, batched, decided by the keys."""
+def random_crop_flip(x: torch.Tensor, keys: torch.Tensor, size: int | None = None, padding: int = CROP_PADDING,
+                     flip: bool = True) -> torch.Tensor:
+    """Per-sample random crop of size x size (default: the images' side) out of the images zero-padded by
+    `padding`, and a horizontal flip (if `flip`), batched, decided by the keys."""
     n, _, h, w = x.shape
-    span = 2 * CROP_PADDING + 1
-    dy, dx, flip = keys % span, (keys // span) % span, (keys // (span * span)) % 2 == 1
-    padded = torch.nn.functional.pad(x, (CROP_PADDING,) * 4)
-    rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]
-    cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]
-    cols = torch.where(flip[:, None, None], cols.flip(2), cols)
+    size = size or h
+    span_y, span_x = 2 * padding + 1 + h - size, 2 * padding + 1 + w - size
+    dy, dx = keys % span_y, (keys // span_y) % span_x
+    padded = torch.nn.functional.pad(x, (padding,) * 4) if padding else x
+    rows = (dy[:, None] + torch.arange(size, device=x.device))[:, :, None]
+    cols = (dx[:, None] + torch.arange(size, device=x.device))[:, None, :]
+    if flip:
+        flips = (keys // (span_y * span_x)) % 2 == 1
+        cols = torch.where(flips[:, None, None], cols.flip(2), cols)
     batch = torch.arange(n, device=x.device)[:, None, None]
     return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+
+
+def center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The centre size x size of every image of the batch (torchvision's CenterCrop: the offset rounded)."""
+    h, w = x.shape[-2:]
+    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+    return x[..., top:top + size, left:left + size]

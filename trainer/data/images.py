@@ -125,24 +125,28 @@ class BadFiles:
 
 @contextlib.contextmanager
 def seeded(index: int, epoch: int, seed: int) -> Iterator[None]:
-    """torch's RNG seeded from (seed, epoch, index) for one sample's random transforms, restored afterwards
-    (with --num-workers 0 it is the training process's RNG)."""
+    """torch's CPU generator seeded from (seed, epoch, index) for one sample's random transforms, restored
+    afterwards (with --num-workers 0 it is the training process's; the CUDA generators are not touched)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(sample_keys(torch.tensor([index]), epoch, seed)))
+        torch.default_generator.manual_seed(int(sample_keys(torch.tensor([index]), epoch, seed)))
         yield
 
 
-def image_transforms(train: bool, image_size: int, augment: str):
-    """The torchvision transforms of an image folder, PIL image -> uint8 tensor."""
+def image_transforms(train: bool, image_size: int, augment: str, resize: int = 0, interpolation: str = "bilinear"):
+    """The torchvision transforms of an image folder, PIL image -> uint8 tensor; resize: the validation images'
+    shorter side before the centre crop (0: 8/7 of the side for the imagenet policy, the side for the others)."""
     from torchvision import transforms
 
+    mode = transforms.InterpolationMode(interpolation)
     if augment == "auto":
         augment = "imagenet" if image_size >= LIGHT_AUGMENT_BELOW else "light"
     if augment == "imagenet":
-        steps = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()] if train else [
-            transforms.Resize(int(image_size * 8 / 7)), transforms.CenterCrop(image_size)]
+        steps = [transforms.RandomResizedCrop(image_size, interpolation=mode), transforms.RandomHorizontalFlip()] \
+            if train else [transforms.Resize(resize or int(image_size * 8 / 7), interpolation=mode),
+                           transforms.CenterCrop(image_size)]
     else:  # light and none keep the whole image, resized to the side
-        steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+        steps = [transforms.Resize(resize if resize and not train else image_size, interpolation=mode),
+                 transforms.CenterCrop(image_size)]
         if train and augment == "light":  # the CIFAR recipe: padding of 1/8 of the side (4 at 32 px)
             steps += [transforms.RandomCrop(image_size, padding=max(1, image_size // 8)),
                       transforms.RandomHorizontalFlip()]
@@ -150,9 +154,14 @@ def image_transforms(train: bool, image_size: int, augment: str):
 
 
 class ImageFolderWithKeys(Dataset):
-    """ImageFolder whose random transforms are seeded per (seed, epoch, index)."""
+    """ImageFolder whose random transforms are seeded per (seed, epoch, index). resize and interpolation: see
+    image_transforms; samples: --auto-augment and --random-erase (augment.SampleAugment), applied to the training
+    views in the loader's workers."""
 
-    def __init__(self, root: Path, train: bool, image_size: int, augment: str, seed: int):
+    augments_samples = True  # applies `samples` itself (jpeg.GpuImageFolder leaves it to the device)
+
+    def __init__(self, root: Path, train: bool, image_size: int, augment: str, seed: int, *, resize: int = 0,
+                 interpolation: str = "bilinear", samples=None):
         from torchvision import datasets
 
         try:
@@ -161,7 +170,13 @@ class ImageFolderWithKeys(Dataset):
             raise UsageError("--data-dir", f"{root}: {first_line(err, 200)}",
                              f"put images in {root}/<class>/ (.jpg, .png, ...) readable by this user") from None
         self.seed, self.train, self.side, self.augment = seed, train, image_size, augment
-        self.transform = image_transforms(train, image_size, augment)
+        self.resize, self.interpolation = resize, interpolation
+        self.samples = samples if train else None
+        self.transform = image_transforms(train, image_size, augment, resize, interpolation)
+
+    def augmented(self, view: torch.Tensor, index: int, epoch: int) -> torch.Tensor:
+        """The training view after --auto-augment and --random-erase, drawn from the sample's key."""
+        return view if self.samples is None else self.samples(view, sample_key(index, epoch, self.seed))
 
     def __len__(self) -> int:
         return len(self.folder)
@@ -177,4 +192,5 @@ class ImageFolderWithKeys(Dataset):
             reason = "not an image PIL can decode" if isinstance(err, UnidentifiedImageError) else first_line(err)
             return replacement(self.side), label, UnreadableImage.of(path, reason).entry
         with seeded(index, epoch, self.seed):
-            return self.transform(image), label, ""
+            view = self.transform(image)
+        return self.augmented(view, index, epoch), label, ""

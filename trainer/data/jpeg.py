@@ -112,14 +112,17 @@ def center_box(width: int, height: int, resize: int, side: int) -> tuple[int, in
     return x0, y0, max(1, min(width, x1) - x0), max(1, min(height, y1) - y0)
 
 
-def view_plan(key: int, width: int, height: int, side: int, train: bool, augment: str) -> ViewPlan:
-    """The view of one sample of a width x height image: a pure function of the key and the geometry."""
+def view_plan(key: int, width: int, height: int, side: int, train: bool, augment: str, resize: int = 0) -> ViewPlan:
+    """The view of one sample of a width x height image: a pure function of the key and the geometry. resize: the
+    validation images' shorter side before the centre crop (--val-resize-size; 0: 8/7 of the side for the imagenet
+    policy, the side for the others)."""
     augment = resolve_augment(augment, side)
     if augment == "imagenet" and train:
         rnd = random.Random(key)
         left, top, w, h = random_resized_box(rnd, width, height)
         return ViewPlan(left, top, w, h, rnd.random() < 0.5)
-    resize = int(side * VAL_RESIZE) if augment == "imagenet" else side
+    if train or not resize:
+        resize = int(side * VAL_RESIZE) if augment == "imagenet" else side
     box = center_box(width, height, resize, side)
     if train and augment == "light":
         rnd = random.Random(key)
@@ -130,9 +133,11 @@ def view_plan(key: int, width: int, height: int, side: int, train: bool, augment
 
 # ----------------------------------------------------------------------------------- the CPU path
 
-def resize_view(image: torch.Tensor, plan: ViewPlan, side: int, scale: float = 1.0) -> torch.Tensor:
+def resize_view(image: torch.Tensor, plan: ViewPlan, side: int, scale: float = 1.0,
+                interpolation: str = "bilinear") -> torch.Tensor:
     """uint8 C x H x W (any strides) -> the plan's uint8 C x side x side view; `scale`: how much smaller
-    `image` is than the source image the plan was made for (a DCT-reduced decode, a packed copy)."""
+    `image` is than the source image the plan was made for (a DCT-reduced decode, a packed copy);
+    interpolation: nearest, bilinear or bicubic (--interpolation; antialiased but nearest, as PIL's are)."""
     _, height, width = image.shape
     x0 = min(int(plan.left * scale), width - 1)
     y0 = min(int(plan.top * scale), height - 1)
@@ -140,8 +145,11 @@ def resize_view(image: torch.Tensor, plan: ViewPlan, side: int, scale: float = 1
     y1 = min(max(y0 + 1, round((plan.top + plan.height) * scale)), height)
     # torch's uint8 antialiased kernel wants channels-last; a permuted HWC array already is.
     box = image[None, :, y0:y1, x0:x1].contiguous(memory_format=torch.channels_last)
-    out = torch.nn.functional.interpolate(box, size=(side, side), mode="bilinear", antialias=True,
-                                          align_corners=False)[0]
+    if interpolation == "nearest":
+        out = torch.nn.functional.interpolate(box, size=(side, side), mode="nearest-exact")[0]
+    else:
+        out = torch.nn.functional.interpolate(box, size=(side, side), mode=interpolation, antialias=True,
+                                              align_corners=False)[0]
     if plan.shift is not None:
         pad = light_padding(side)
         dy, dx = plan.shift
@@ -190,35 +198,37 @@ def unreadable(path: str, err: BaseException, data: bytes | None = None) -> Unre
     return UnreadableImage.of(path, reason)
 
 
-def read_view(path: str, key: int, side: int, train: bool, augment: str) -> torch.Tensor:
+def read_view(path: str, key: int, side: int, train: bool, augment: str, resize: int = 0,
+              interpolation: str = "bilinear") -> torch.Tensor:
     """One sample of the fast CPU path: the file's planned view, uint8 3 x side x side."""
     try:
         data = Path(path).read_bytes()
     except OSError as err:
         raise unreadable(path, err) from None
-    return view_from_bytes(data, path, key, side, train, augment)
+    return view_from_bytes(data, path, key, side, train, augment, resize, interpolation)
 
 
-def view_from_bytes(data: bytes, path: str, key: int, side: int, train: bool, augment: str) -> torch.Tensor:
+def view_from_bytes(data: bytes, path: str, key: int, side: int, train: bool, augment: str, resize: int = 0,
+                    interpolation: str = "bilinear") -> torch.Tensor:
     from PIL import Image
 
     try:
         image = Image.open(io.BytesIO(data))  # the header only: size, mode, format
         width, height = image.size
-        plan = view_plan(key, width, height, side, train, augment)
+        plan = view_plan(key, width, height, side, train, augment, resize)
         reduce = next((r for r in DRAFT_SCALES if min(plan.width, plan.height) >= r * side), 1)
         if image.format == "JPEG" and reduce == 1 and image.mode in ("RGB", "L") and data.endswith(JPEG_EOI):
             from torchvision.io import ImageReadMode, decode_jpeg
 
             try:  # straight into a tensor: no PIL image and no copy out of it
                 pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-                return resize_view(pixels, plan, side)
+                return resize_view(pixels, plan, side, interpolation=interpolation)
             except RuntimeError:
                 pass  # PIL below decodes it or says what is wrong
         if image.format == "JPEG" and reduce > 1:
             image.draft("RGB", (width // reduce, height // reduce))  # libjpeg scales in the DCT domain
         image = pil_rgb(image, path)
-        return resize_view(pil_tensor(image), plan, side, image.size[0] / width)
+        return resize_view(pil_tensor(image), plan, side, image.size[0] / width, interpolation)
     except (OSError, SyntaxError, ValueError) as err:  # PIL's ways of saying a file is damaged
         raise unreadable(path, err, data) from None
 
@@ -230,9 +240,11 @@ class FastImageFolder(ImageFolderWithKeys):
         index, epoch = key
         path, label = self.folder.samples[index]
         try:
-            return read_view(path, sample_key(index, epoch, self.seed), self.side, self.train, self.augment), label, ""
+            view = read_view(path, sample_key(index, epoch, self.seed), self.side, self.train, self.augment,
+                             self.resize, self.interpolation)
         except UnreadableImage as err:
             return replacement(self.side), label, err.entry
+        return self.augmented(view, index, epoch), label, ""
 
 
 # ----------------------------------------------------------------------------------- the GPU path
@@ -306,6 +318,8 @@ class GpuImageFolder(ImageFolderWithKeys):
     """--dataset imagefolder on the GPU path (--decode gpu): workers read bytes, the device decodes."""
 
     gpu_share = 1.0  # --decode-gpu-share: the rest of each batch is viewed on the CPU path, in the workers
+    # --auto-augment and --random-erase: on the device, after the decode (data.Batches), the CPU share's views too.
+    augments_samples = False
 
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
@@ -315,11 +329,13 @@ class GpuImageFolder(ImageFolderWithKeys):
             data = Path(path).read_bytes()
             geometry = jpeg_geometry(data)
             if not decoded_on_gpu(sample, self.gpu_share):
-                return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, "", ""
+                return view_from_bytes(data, path, sample, self.side, self.train, self.augment, self.resize), None, \
+                    label, "", ""
             if nvjpeg_can_decode(geometry):
-                plan = view_plan(sample, geometry[0], geometry[1], self.side, self.train, self.augment)
+                plan = view_plan(sample, geometry[0], geometry[1], self.side, self.train, self.augment, self.resize)
                 return torch.frombuffer(bytearray(data), dtype=torch.uint8), plan, label, path, ""
-            return view_from_bytes(data, path, sample, self.side, self.train, self.augment), None, label, path, ""
+            return view_from_bytes(data, path, sample, self.side, self.train, self.augment, self.resize), None, \
+                label, path, ""
         except OSError as err:  # no fallback to name: BadFiles names the file
             return replacement(self.side), None, label, "", unreadable(path, err).entry
         except UnreadableImage as err:

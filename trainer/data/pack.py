@@ -245,12 +245,16 @@ def _index(root: Path, split: str, images: int):
 class PackedImages:
     """One split of a pack as a map-style dataset keyed (index, epoch), like the image folders."""
 
-    def __init__(self, pack: Pack, split: str, train: bool, image_size: int, augment: str, seed: int):
+    augments_samples = True  # --auto-augment and --random-erase in the loader's workers, as the image folders'
+
+    def __init__(self, pack: Pack, split: str, train: bool, image_size: int, augment: str, seed: int, *,
+                 resize: int = 0, interpolation: str = "bilinear", samples=None):
         self.root, self.split, self.images = pack.root, split, pack.header["splits"][split]["images"]
         # Placeholders of files that did not decode when packed: named and counted as an image folder's would be.
         placeholders = pack.header.get("bad_files", {}).get(split, {})
         self.bad = {int(i): f"{path}\0{why}" for i, (path, why) in placeholders.items()}
         self.train, self.side, self.augment, self.seed = train, image_size, augment, seed
+        self.resize, self.interpolation, self.samples = resize, interpolation, samples if train else None
         self._maps = None  # opened in the process that reads (a DataLoader worker), not pickled to it
 
     def __len__(self) -> int:
@@ -275,18 +279,27 @@ class PackedImages:
             warnings.simplefilter("ignore", UserWarning)
             image = torch.from_numpy(pixels[offset:offset + height * width * 3].reshape(height, width, 3))
         # Views are planned on the packed geometry: the same statistics (relative boxes) as the source's.
-        plan = view_plan(sample_key(sample, epoch, self.seed), width, height, self.side, self.train, self.augment)
-        return resize_view(image.permute(2, 0, 1), plan, self.side), label, self.bad.get(sample, "")
+        key = sample_key(sample, epoch, self.seed)
+        plan = view_plan(key, width, height, self.side, self.train, self.augment, self.resize)
+        view = resize_view(image.permute(2, 0, 1), plan, self.side, interpolation=self.interpolation)
+        return (view if self.samples is None else self.samples(view, key)), label, self.bad.get(sample, "")
 
 
 def packed_datasets(cfg):
+    from trainer.config.catalog import DATASETS
+    from trainer.config.settings import crop_sizes
+    from trainer.data.augment import sample_augment
     from trainer.data.images import builtin_spec
 
     pack_ = open_pack(Path(cfg.data_dir))
     splits = pack_.header["splits"]
-    train = PackedImages(pack_, "train", True, cfg.image_size, cfg.augment, cfg.seed)
-    val = PackedImages(pack_, "val", False, cfg.image_size, cfg.augment, cfg.seed) if "val" in splits else None
-    return train, val, builtin_spec("packed", cfg.image_size, len(pack_.classes))
+    train_crop, _, val_crop = crop_sizes(cfg)
+    samples = sample_augment(cfg, DATASETS["packed"].mean, DATASETS["packed"].channels)
+    train = PackedImages(pack_, "train", True, train_crop, cfg.augment, cfg.seed, interpolation=cfg.interpolation,
+                         samples=samples)
+    val = PackedImages(pack_, "val", False, val_crop, cfg.augment, cfg.seed, resize=cfg.val_resize_size,
+                       interpolation=cfg.interpolation) if "val" in splits else None
+    return train, val, builtin_spec("packed", train_crop, len(pack_.classes))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,15 +10,36 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 
-def epoch_shard(size: int, rank: int, world_size: int, seed: int, epoch: int) -> list[int]:
-    """This rank's sample indices of one epoch, in training order (every rank gets as many)."""
-    sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                 drop_last=True)
-    sampler.set_epoch(epoch)
-    return list(sampler)
+def epoch_shard(size: int, rank: int, world_size: int, seed: int, epoch: int, reps: int = 1) -> list[int]:
+    """This rank's sample indices of one epoch, in training order (every rank gets as many).
+
+    reps > 1 (--ra-sampler, repeated augmentation, as the reference's RASampler): the epoch's shuffled order with
+    each sample repeated reps times in a row, dealt out to the ranks in turn (so the copies of a sample land on
+    different ranks), cut to the length of an epoch without repeats: size // world_size per rank, 1/reps of the
+    distinct samples. The reference cuts to a multiple of 256 samples (ImageNet's batches); this stack's epochs
+    end where DistributedSampler's drop_last ends them, whatever the repeats. The indices are *virtual*:
+    copy * size + sample, so each copy has a key of its own (sample_of) and is augmented its own way."""
+    if reps == 1:
+        sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=True)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)  # DistributedSampler's shuffle: the same order of distinct samples
+    order = torch.randperm(size, generator=generator).tolist()
+    repeated = [copy * size + sample for sample in order for copy in range(reps)]
+    return repeated[rank:size // world_size * world_size:world_size]
+
+
+def sample_of(virtual: int, size: int, reps: int, epoch: int) -> tuple[int, int]:
+    """(sample index, key epoch) of a virtual index of epoch_shard: the key epoch, which the sample's augmentation
+    key (data.sample_key) takes, is epoch * reps + copy, so that each copy looks different; it is the epoch itself
+    without repeats."""
+    return virtual % size, epoch * reps + virtual // size
 
 
 def batch_range(indices: list[int], batch_size: int, start_batch: int, stop_batch: int | None = None) -> list[int]:
@@ -28,16 +49,18 @@ def batch_range(indices: list[int], batch_size: int, start_batch: int, stop_batc
 
 
 class ResumableSampler(Sampler[int]):
-    """A DataLoader sampler: this rank's shard of each epoch, starting at a given batch.
+    """A DataLoader sampler: this rank's shard of each epoch, starting at a given batch (reps > 1: repeated
+    augmentation, epoch_shard's order of the samples' indices).
 
     Give the DataLoader the same batch_size and drop_last=True. `set_epoch(epoch, start_batch)` before
     each epoch; a resumed epoch starts at the first batch its checkpoint had not trained on.
     """
 
-    def __init__(self, size: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
+    def __init__(self, size: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, reps: int = 1):
         if size // world_size < batch_size:
             raise ValueError(f"{size} samples over {world_size} processes make no batch of {batch_size}")
         self.size, self.batch_size, self.rank, self.world_size, self.seed = size, batch_size, rank, world_size, seed
+        self.reps = reps  # --ra-sampler's repeats (1: none); the DataLoader gets each copy's sample index
         self.epoch = self.start_batch = 0
 
     @property
@@ -48,8 +71,9 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.start_batch = epoch, start_batch
 
     def __iter__(self) -> Iterator[int]:
-        shard = epoch_shard(self.size, self.rank, self.world_size, self.seed, self.epoch)
-        return iter(batch_range(shard, self.batch_size, self.start_batch, self.batches_per_epoch))
+        shard = epoch_shard(self.size, self.rank, self.world_size, self.seed, self.epoch, self.reps)
+        return iter(i % self.size for i in batch_range(shard, self.batch_size, self.start_batch,
+                                                       self.batches_per_epoch))
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.start_batch) * self.batch_size
