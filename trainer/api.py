@@ -31,7 +31,14 @@ Run(checkpoint_dir=None, log_dir=None, **settings)
                                  compile and local_sgd_period as set; build the optimizer after it
     .autocast()                  amp's autocast (bf16, fp16) around a forward
     .backward(loss)              fp16's loss scaling, / grad_accum; the loss is kept for Loss/train
-    .optimizer_step(optimizer, scheduler=None)   step (through the scaler), zero_grad, scheduler.step()
+    .optimizer_step(optimizer, scheduler=None)   step (through the scaler), zero_grad, scheduler.step(); with
+                                 clip_grad_norm the gradients are clipped first (Grad/norm logged)
+    .clip_gradients(optimizer, max_norm=None) -> the norm before clipping: for your own optimizer.step()
+    .mixup_cutmix(inputs, targets, num_classes) -> the batch mixed as mixup_alpha and cutmix_alpha say
+                                 (torchvision's MixUp/CutMix; targets become probabilities), per micro-batch
+    .ema                         with model_ema: the average of the model (torch.optim.swa_utils.AveragedModel:
+                                 .ema.module), made by resume(), updated every model_ema_steps steps, in every
+                                 checkpoint; api.evaluate(run, run.ema, batches) and api.Validator report it
     .no_sync(last_micro_batch)   accumulating by hand: no gradient exchange but on a step's last micro-batch
     .sampler(dataset_or_size, batch_size, seed=None) -> ResumableSampler (the built-in loop's order)
     .plan(steps_per_epoch, epochs=None) -> total steps (the sampler calls it; the progress bar and checks use it)
@@ -50,9 +57,13 @@ Validator(run, batches, model=None, objective=None, every=1, count=None)
 evaluate(run, model, batches, count=None, objective=None) -> metrics, now (a collective)
 eval_shard(size, rank, world_size) -> this rank's validation indices (no padding)
 ResumableSampler(size, batch_size, rank=0, world_size=1, seed=0), epoch_shard(...)  (trainer.data.sampling)
+                             run.sampler() gives ra_sampler's repeated order (ra_reps) when it is set
+parameter_groups(model, weight_decay, norm_weight_decay, bias_weight_decay) -> the optimizer's parameter groups
+                             as torchvision's reference (and the built-in loop) builds them
 dataloader_worker_init       DataLoader(..., num_workers=N, worker_init_fn=api.dataloader_worker_init): a stop
                              (SIGTERM, Ctrl-C) reaches the training process only, which checkpoints
-Objective(model, name)       the built-in loop's loss: the model's compute_loss, else cross-entropy on logits
+Objective(model, name, label_smoothing=0.0)   the built-in loop's loss: the model's compute_loss, else
+                             cross-entropy on logits (class indices, or mixup_cutmix's probabilities)
 UsageError(setting, problem, fix)   raise it for your own settings: one line `error: ...`, exit code 2
 
 Checkpoints are committed atomically as step-<N>.pt (a directory of shards under fsdp), the newest
@@ -67,11 +78,12 @@ from trainer.core.errors import UsageError
 from trainer.data.sampling import ResumableSampler, epoch_shard
 from trainer.parallel.supervised import GracefulStop
 from trainer.engine.models import Objective
+from trainer.engine.optim import parameter_groups
 from trainer.engine.run import Run
 from trainer.engine.validate import Validator, eval_shard, evaluate
 
 __all__ = ["Run", "Validator", "evaluate", "eval_shard", "Objective", "ResumableSampler", "epoch_shard",
-           "dataloader_worker_init", "UsageError"]
+           "dataloader_worker_init", "parameter_groups", "UsageError"]
 
 # DataLoader(..., worker_init_fn=api.dataloader_worker_init): with worker processes, a stop (SIGTERM,
 # Ctrl-C) must reach only the training process, which checkpoints; see GracefulStop.

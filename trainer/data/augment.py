@@ -38,7 +38,8 @@ def cpu_seeded(key: int) -> Iterator[None]:
 
 def policy_transform(name: str, magnitude: int, severity: int, interpolation: str):
     """--auto-augment's torchvision.transforms.v2 policy, as the reference's ClassificationPresetTrain builds it
-    (None for none)."""
+    (None for none). The reference passes its --interpolation (bilinear by default) to every policy, whose own
+    default is nearest: followed here."""
     if not name:
         return None
     from torchvision.transforms import v2

@@ -278,6 +278,9 @@ def _check_recipe_fits(cfg: TrainConfig, train, spec: DataSpec, path: str) -> No
                          f"shape {tuple(inputs.shape)}", "return uint8 images from the dataset (the trainer "
                          "normalises them with the spec's mean and std), or drop it")
     mixing = "--mixup-alpha" if cfg.mixup_alpha else "--cutmix-alpha" if cfg.cutmix_alpha else None
+    if mixing and inputs.ndim != 3:
+        raise UsageError(mixing, f"mixes images (C x H x W), and {path}'s inputs have shape {tuple(inputs.shape)}",
+                         "drop it for this dataset")
     labels = torch.as_tensor(target)
     if mixing and (labels.is_floating_point() or labels.ndim != 0 or not spec.num_classes):
         shown = f"{labels.dtype} of shape {tuple(labels.shape)}" if labels.ndim or labels.is_floating_point() else \

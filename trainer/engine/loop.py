@@ -14,8 +14,8 @@ import time
 
 from trainer.cluster.topology import WORKER, resolve
 from trainer.config.resume import check_same_workload
-from trainer.config.settings import load_config, no_step_error
-from trainer.core.errors import exit_on_usage_error, print_error
+from trainer.config.settings import TrainConfig, load_config, no_step_error
+from trainer.core.errors import UsageError, exit_on_usage_error, print_error
 
 log = logging.getLogger("trainer")
 
@@ -72,23 +72,36 @@ def train(run) -> int:
                  found.path, found.step, total_steps)
         return 0
 
-    model = run.all_or_none(lambda: build_model(cfg.model, spec))  # before anything is written
-    objective = Objective(model, cfg.model)
+    model = run.all_or_none(lambda: recipe_fits(cfg, build_model(cfg.model, spec)))  # before anything is written
+    objective = Objective(model, cfg.model, cfg.label_smoothing)
     forward = run.wrap(model)  # fsdp shards the model in place: the optimizer holds this rank's shards
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     run.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=run.scaler)
-    validator = Validator(run, val_batches and (lambda: val_batches.epoch(0)), model, objective, cfg.val_every,
-                          count=val_batches.num_batches if val_batches is not None else None)
+    validator = Validator(run, val_batches and (lambda: val_batches.epoch(0)), model, Objective(model, cfg.model),
+                          cfg.val_every, count=val_batches.num_batches if val_batches is not None else None)
 
     model.train()
     for epoch in run.epochs():
         batches = train_batches.epoch(epoch, run.position.batch, steps_per_epoch * cfg.grad_accum)
         for micro_batches in run.steps(batches):
             for inputs, labels in micro_batches:
+                inputs, labels = run.mixup_cutmix(inputs, labels, spec.num_classes)
                 with run.autocast():
                     loss = objective.per_sample(forward(inputs), inputs, labels).mean()
                 run.backward(loss)
             run.optimizer_step(optimizer, scheduler)
         validator.epoch_done()
     return run.finish()
+
+
+def recipe_fits(cfg: TrainConfig, model):
+    """The model, refused in one line where the recipe's loss settings cannot reach its loss: a model with its own
+    compute_loss gets neither smoothed nor mixed targets."""
+    given = [name for name in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(cfg, name)]
+    if given and getattr(model, "compute_loss", None) is not None:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(flag, f"changes cross-entropy's targets, and {cfg.model} computes its own loss "
+                         "(compute_loss)", f"drop {flag} for this model")
+    return model
+

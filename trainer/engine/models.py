@@ -117,10 +117,12 @@ def build_model(name: str, spec: DataSpec) -> nn.Module:
 class Objective:
     """The loss of a model on its data, one value per sample (float32 even under autocast): the mean
     trains, the sum validates. A model's own `compute_loss(output, inputs, targets)` wins (per-sample
-    losses or their mean); otherwise cross-entropy on logits whose last dimension is the class."""
+    losses or their mean); otherwise cross-entropy on logits whose last dimension is the class, with
+    label_smoothing (the built-in loop trains with --label-smoothing and validates without), for class
+    indices or for class probabilities (mixup's and cutmix's targets)."""
 
-    def __init__(self, model: nn.Module, name: str):
-        self.name = name
+    def __init__(self, model: nn.Module, name: str, label_smoothing: float = 0.0):
+        self.name, self.label_smoothing = name, label_smoothing
         self.custom = getattr(model, "compute_loss", None)
 
     @staticmethod
@@ -133,9 +135,14 @@ class Objective:
         if self.custom is not None:
             loss = self.custom(output, inputs, targets).float()
             return loss.expand(n) if loss.ndim == 0 else loss.reshape(n, -1).mean(1)
+        if targets.is_floating_point() and targets.shape == output.shape and output.ndim >= 2:  # probabilities
+            losses = nn.functional.cross_entropy(output.float().flatten(0, -2), targets.float().flatten(0, -2),
+                                                 reduction="none", label_smoothing=self.label_smoothing)
+            return losses.view(n, -1).mean(1)
         if not self.classifies(output, targets):
             raise UsageError("--model", f"{self.name}'s output of shape {tuple(output.shape)} is no class logits for "
                              f"targets of shape {tuple(targets.shape)}",
                              "give the model a compute_loss(output, inputs, targets) method for its task")
-        losses = nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten(), reduction="none")
+        losses = nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten(), reduction="none",
+                                             label_smoothing=self.label_smoothing)
         return losses.view(n, -1).mean(1)

@@ -9,15 +9,51 @@ import torch
 from torch import nn
 
 from trainer.config.settings import TrainConfig
+from trainer.parallel import strategy
 
 log = logging.getLogger(__name__)
 
 
+# The norm layers of torchvision's reference (its set_weight_decay), by their public classes.
+NORM_LAYERS = strategy.NORM_LAYERS + (nn.LocalResponseNorm,)
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float, bias_weight_decay: float
+                     ) -> list[dict]:
+    """The optimizer's parameter groups as torchvision's reference builds them (--norm-weight-decay,
+    --bias-weight-decay): a parameter named `bias` takes the bias decay (a norm layer's too: the reference matches
+    its custom keys first), a norm layer's other parameters the norm decay, every other one --weight-decay; the
+    groups in that order, each in the model's parameter order. Equal norm and bias decays make one group, as the
+    defaults (0: no decay on norms and biases, Goyal et al., 2017) always did: checkpoints of earlier runs keep
+    fitting. Unlike the reference, frozen parameters are kept (the optimizer skips them; the groups stay those of
+    earlier checkpoints)."""
+    kinds: dict[int, str] = {}
+    params: list[nn.Parameter] = []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in kinds:  # shared between modules: its first owner decides
+                continue
+            kinds[id(param)] = "bias" if name == "bias" else "norm" if isinstance(module, NORM_LAYERS) else "other"
+            params.append(param)
+    groups = [{"params": [p for p in params if kinds[id(p)] == "other"], "weight_decay": weight_decay}]
+    if norm_weight_decay == bias_weight_decay:
+        return groups + [{"params": [p for p in params if kinds[id(p)] != "other"], "weight_decay": norm_weight_decay}]
+    return groups + [{"params": [p for p in params if kinds[id(p)] == kind], "weight_decay": decay}
+                     for kind, decay in (("norm", norm_weight_decay), ("bias", bias_weight_decay))]
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters (the reference clips those): the total L2
+    norm before clipping, on the device (no host sync). Call it on unscaled gradients (fp16: after the scaler's
+    unscale_). Under fsdp the gradients are DTensor shards and clip_grad_norm_'s norm is a DTensor reduced over
+    every shard: the same global norm as ddp's, returned here as a plain tensor."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    # Weight decay on norm scales and biases only hurts accuracy (Goyal et al., 2017).
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = parameter_groups(model, cfg.weight_decay, cfg.norm_weight_decay, cfg.bias_weight_decay)
     # One fused kernel per tensor instead of several passes: the same update rule (equal up to float
     # rounding); on the CPU the default per-tensor loop costs ~5% more per ResNet-18 step (docs/benchmarks.md).
     # fsdp's sharded parameters (DTensors) have no fused kernels, only the foreach ones, which torch

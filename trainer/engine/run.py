@@ -12,10 +12,11 @@ commit (and checks the weights first), the observers when to log, the stop vote 
         for epoch in run.epochs():
             for micro_batches in run.steps(loader):      # one optimizer step each; ends on a stop
                 for x, y in micro_batches:               # --grad-accum of them, no gradient sync but the last
+                    x, y = run.mixup_cutmix(x, y, num_classes)   # mixup_alpha, cutmix_alpha (off: as they are)
                     with run.autocast():
                         loss = loss_fn(model(x), y)
                     run.backward(loss)
-                run.optimizer_step(optimizer)
+                run.optimizer_step(optimizer)            # clip_grad_norm; the model_ema average (run.ema) updates
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator
 
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
-from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position
+from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position, Registered
 from trainer.checkpoint.store import CheckpointError
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
 from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, check_gpu_options, flag_name, script_settings
 from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
+from trainer.data.augment import MixUpCutMix, mix_key
 from trainer.data.sampling import ResumableSampler
+from trainer.engine import ema as model_ema
+from trainer.engine.ema import ModelEma
 from trainer.parallel import collectives
 from trainer.parallel.collectives import MainRankFailed
 from trainer.parallel.compat import private
@@ -107,6 +111,11 @@ class Run:
         self._epoch_start = time.perf_counter()
         self._ended_mid_epoch = False
         self._finished: int | None = None
+        # torchvision's reference recipe: the average of --model-ema (made in resume()), mixup and cutmix.
+        self.ema: ModelEma | None = None
+        self._mixer: MixUpCutMix | None = None
+        self._mixed = 0         # run.mixup_cutmix() calls in this step: each micro-batch's own draw
+        self._clipped = False   # run.clip_gradients() was called in this step
 
     # ------------------------------------------------------------------ joining
     def _label(self, name: str) -> str:
@@ -227,7 +236,11 @@ class Run:
         self.scaler.scale(loss / self.settings.grad_accum).backward()
 
     def optimizer_step(self, optimizer, scheduler=None) -> None:
-        """The optimizer step (through fp16's loss scaler), gradients cleared, the LR schedule advanced."""
+        """The optimizer step (through fp16's loss scaler; the gradients clipped first with clip_grad_norm),
+        gradients cleared, the LR schedule advanced."""
+        if self.settings.clip_grad_norm and not self._clipped:
+            self.clip_gradients(optimizer)
+        self._clipped = False
         self.scaler.step(optimizer)
         self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -235,6 +248,39 @@ class Run:
             scheduler.step()
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
+
+    def clip_gradients(self, optimizer, max_norm: float | None = None):
+        """Clip the gradients' total L2 norm to max_norm (default: the clip_grad_norm setting), as nanoGPT does:
+        fp16's loss scale taken out first (the scaler's unscale_), then torch.nn.utils.clip_grad_norm_ over the
+        optimizer's parameters (under fsdp the norm over every shard). The norm before clipping is returned (on the
+        device) and logged as Grad/norm with the loss. run.optimizer_step() calls it when clip_grad_norm is set;
+        call it yourself before your own optimizer.step()."""
+        from trainer.engine.optim import clip_gradients
+
+        self.scaler.unscale_(optimizer)
+        norm = clip_gradients(optimizer, max_norm if max_norm is not None else self.settings.clip_grad_norm)
+        self.observers.record_grad_norm(norm)
+        self._clipped = True
+        return norm
+
+    def mixup_cutmix(self, inputs, targets, num_classes: int):
+        """A training batch mixed as mixup_alpha and cutmix_alpha say (torchvision.transforms.v2.MixUp and CutMix,
+        one chosen at random per batch when both are on; both 0: the batch as it is): the targets become class
+        probabilities (N x num_classes), which cross-entropy takes. The draws come from a generator seeded by (seed,
+        epoch, micro-batch, rank), so a resumed run mixes as the uninterrupted one did; the mixing runs where the
+        batch is (the GPU's memory for a GPU-resident batch). Call it once per micro-batch, before the forward."""
+        if not (self.settings.mixup_alpha or self.settings.cutmix_alpha):
+            return inputs, targets
+        if self._mixer is None or self._mixer.num_classes != num_classes:
+            self._mixer = MixUpCutMix(self.settings.mixup_alpha, self.settings.cutmix_alpha, num_classes)
+        key = mix_key(self.settings.seed, self.position.epoch, self.position.batch + self._mixed, self.rank)
+        self._mixed += 1
+        mixed, soft = self._mixer(inputs, targets, key)
+        if self.settings.channels_last and mixed.ndim == 4:  # MixUp's roll makes a contiguous tensor
+            import torch
+
+            mixed = mixed.contiguous(memory_format=torch.channels_last)
+        return mixed, soft
 
     def no_sync(self, last_micro_batch: bool):
         """Around a micro-batch's forward and backward when you accumulate by hand: no gradient exchange unless it
@@ -251,7 +297,8 @@ class Run:
                 raise UsageError("batch_size", f"{size} samples over {self.world_size} processes make no batch of "
                                  f"{batch_size}", "use a smaller batch_size or more data")
         self._sampler = ResumableSampler(size, batch_size, self.rank, self.world_size,
-                                         self.settings.seed if seed is None else seed)
+                                         self.settings.seed if seed is None else seed,
+                                         self.settings.ra_reps if self.settings.ra_sampler else 1)
         self._batch_size = batch_size
         self._resize_position()
         if self.door == SCRIPT and not isinstance(dataset_or_size, int):
@@ -302,12 +349,18 @@ class Run:
             if self.settings.amp == "fp16" and "scaler" not in objects and self.scaler.is_enabled():
                 objects["scaler"] = self.scaler
             self._check_order(objects)
+            ema_from_weights = self._attach_ema(objects)
             registered = self.checkpointer.register(objects, "resume()")
             self._check_changed_settings(point)
         with exit_on_usage_error():
             self.checkpointer.prepare(self.settings.log_dir)
             self._optimizers = list(registered.optimizers.values())
             position = self.checkpointer.restore()
+        if ema_from_weights:  # a checkpoint without an average: it starts from the weights just resumed
+            self.ema.start_from_model()
+            self.checkpointer.register({**objects, model_ema.NAME: self.ema}, "resume()")
+            log.info("%s: %s holds no average of the weights: it starts from the weights resumed",
+                     self._label("model_ema"), self.checkpointer.resumed_path)
         if position is not None:
             self.position = position
             self.resumed_from = position.step
@@ -345,6 +398,29 @@ class Run:
         if changes:
             log.info("settings changed since %s, applied: %s (the schedule goes on from step %d with them)",
                      point.path.name, ", ".join(changes), self.position.step)
+
+    def _attach_ema(self, objects: dict[str, Any]) -> bool:
+        """model_ema: the average of the model (run.ema), registered as model_ema where the checkpoint resumed holds
+        one (or there is none); True: it holds none, and the average starts from its weights once resumed. Off: an
+        average the checkpoint holds is carried along untouched into this run's checkpoints."""
+        found = self.checkpointer.resume_point
+        saved = found.names if found is not None else ()
+        if model_ema.NAME in objects and (self.settings.model_ema or model_ema.NAME in saved):
+            raise UsageError("resume()", f"'{model_ema.NAME}' is the name of the {self._label('model_ema')} "
+                             "average in a checkpoint", "register your object under another name")
+        if not self.settings.model_ema:
+            if model_ema.NAME in saved:
+                objects[model_ema.NAME] = model_ema.KeptState()
+            return False
+        model = self._model if self._model is not None else Registered(objects).model
+        if model is None:
+            raise UsageError(self._label("model_ema"), "averages one model, and resume() registers "
+                             f"{len(Registered(objects).modules)} modules", "register one model, or drop it")
+        self.ema = ModelEma(model, self.settings.model_ema_decay, self.settings.model_ema_steps, 0)
+        if found is None or model_ema.NAME in saved:
+            objects[model_ema.NAME] = self.ema
+            return False
+        return True
 
     def _check_order(self, objects: dict[str, Any]) -> None:
         import torch
@@ -457,6 +533,9 @@ class Run:
         self._supervised.step_done()
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
+        self._mixed = 0
+        if self.ema is not None:  # before the checkpoint of this step
+            self.ema.after_step(step)
         if self._local_sgd is not None:
             self._local_sgd.after_step(step)
         lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
@@ -516,6 +595,8 @@ class Run:
         if self.resumed_from is not None:
             log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
                      self.position.step, self.position.epoch, self.position.batch)
+        if self.ema is not None:
+            self._tune_ema()
         names = self._workload_names()
         steps = "" if self.total_steps is None else f", {self.total_steps} steps" + (
             f", {self._steps_per_epoch} per epoch" if self._steps_per_epoch is not None else "")
@@ -526,6 +607,21 @@ class Run:
             log.info("elastic: world size %d of at most %s; %d samples per process per micro-batch keep the job's "
                      "global batch of %d", self.world_size, largest, self.settings.batch_size,
                      self.settings.global_batch_size)
+
+    def _tune_ema(self) -> None:
+        """The average's decay and warm-up, once the global batch, the epochs and the run's length are known (a
+        script may give them after resume(): run.sampler(), run.epochs(N))."""
+        from trainer.engine.optim import warmup_length
+
+        cfg = self.settings
+        global_batch = (self._batch_size or cfg.batch_size) * self.world_size * cfg.grad_accum
+        epochs = self._epochs if self._epochs is not None else cfg.epochs
+        self.ema.set_decay(model_ema.adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, epochs))
+        self.ema.warmup_steps = warmup_length(cfg, self.total_steps or 0)
+        log.info("%s: an average of the weights every %d steps, decay %.6g (%g adjusted for a global batch of %d over "
+                 "%d epochs); the first %d steps (the warm-up) copy the weights", self._label("model_ema"),
+                 cfg.model_ema_steps, self.ema.decay, cfg.model_ema_decay, global_batch, epochs,
+                 self.ema.warmup_steps)
 
     def _workload_names(self) -> tuple[str, str | None]:
         """(model, dataset) as summary.json names them: the settings' for the built-in loop, the classes' for a

@@ -5,6 +5,7 @@
         for micro_batches in run.steps(loader):
             ...
         validator.epoch_done()                           # every `every` whole epochs: Loss/val, acc1/val, acc5/val
+                                                         # (model_ema: the average too, Loss/val_ema, acc1/val_ema...)
 
 The loss is the model's own compute_loss(output, inputs, targets) where it has one, else cross-entropy on
 class logits (the built-in loop's Objective); accuracy is reported where the outputs are class logits.
@@ -31,7 +32,8 @@ def eval_shard(size: int, rank: int, world_size: int) -> list[int]:
 def evaluate(run, model, batches: Iterable, count: int | None = None, objective: Objective | None = None
              ) -> dict[str, float]:
     """Validation metrics over every rank's batches (a collective: every rank calls it): Loss/val, and acc1/val,
-    acc5/val where the outputs are class logits. `model`: the model, or what run.wrap() returned."""
+    acc5/val where the outputs are class logits. `model`: the model, what run.wrap() returned, or run.ema (the
+    model_ema average)."""
     import torch
 
     # The module itself, not DistributedDataParallel's wrapper, whose forward would broadcast buffers (a
@@ -63,8 +65,12 @@ def evaluate(run, model, batches: Iterable, count: int | None = None, objective:
     return metrics
 
 
+EMA_SUFFIX = "_ema"  # the average's metrics: Loss/val_ema, acc1/val_ema, acc5/val_ema
+
+
 class Validator:
-    """Validates every `every` whole epochs (0: never); the metrics go to every tracker and summary.json."""
+    """Validates every `every` whole epochs (0: never), the model and, with model_ema, its average (run.ema); the
+    metrics go to every tracker and summary.json."""
 
     def __init__(self, run, batches: Any, model=None, objective: Objective | None = None, every: int = 1,
                  count: int | None = None):
@@ -84,6 +90,10 @@ class Validator:
         batches = self.batches() if callable(self.batches) else self.batches
         with run.paused():
             self.metrics = evaluate(run, model, batches, self.count, self.objective)
+            if run.ema is not None:
+                batches = self.batches() if callable(self.batches) else self.batches
+                averaged = evaluate(run, run.ema, batches, self.count, self.objective)
+                self.metrics.update({tag + EMA_SUFFIX: value for tag, value in averaged.items()})
         run.log(**self.metrics)
         log.info("epoch %d validation: %s", run.position.epoch, ", ".join(f"{k} {v:.4f}" for k, v in
                                                                         self.metrics.items()))

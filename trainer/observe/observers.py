@@ -25,7 +25,8 @@ from trainer.observe.profiling import StepProfiler
 from trainer.observe.steptiming import StepTiming
 
 log = logging.getLogger("trainer")
-VALIDATION = ("Loss/val", "acc1/val", "acc5/val")  # kept for summary.json as val_loss, val_acc1, val_acc5
+# Kept for summary.json as val_loss, val_acc1, val_acc5 (and --model-ema's average's: val_ema_loss, ...).
+VALIDATION = ("Loss/val", "acc1/val", "acc5/val", "Loss/val_ema", "acc1/val_ema", "acc5/val_ema")
 MAX_PATHS_LISTED = 1000  # of the skipped files, in summary.json (bad_files counts them all)
 
 
@@ -43,6 +44,8 @@ class Observers:
         self.throughput = Throughput(0, WARMUP_STEPS_EXCLUDED, torch.cuda.synchronize if cuda else lambda: None)
         self.loss_sum = torch.zeros((), device=ctx.device)  # stays on the device: no per-step host sync
         self.loss_count = 0
+        self.grad_norm_sum = torch.zeros((), device=ctx.device)  # --clip-grad-norm's norms, likewise
+        self.grad_norm_count = 0
         self.train_loss: float | None = None
         self.validation: dict[str, float] = {}
         self.start_step, self.resumed = 0, False
@@ -79,6 +82,11 @@ class Observers:
         self.loss_sum += loss.detach().float()
         self.loss_count += 1
 
+    def record_grad_norm(self, norm) -> None:
+        """A step's gradient norm before clipping (the same on every rank), kept on the device until the next log."""
+        self.grad_norm_sum += norm.detach().float()
+        self.grad_norm_count += 1
+
     def after_step(self, step: int, epoch: int, samples: int, last: bool, lr: float | None,
                    extra: dict[str, Any], check_weights: Callable[[int], None]) -> None:
         self.throughput.samples_per_step = samples
@@ -113,6 +121,8 @@ class Observers:
             if not math.isfinite(self.train_loss):
                 check_weights(step)
             values["Loss/train"] = self.train_loss
+        if self.grad_norm_count and self.ctx.is_main:  # the window's mean (the trackers are rank 0's)
+            values["Grad/norm"] = self.grad_norm_sum.item() / self.grad_norm_count
         rate = self.throughput.window_rate()
         if lr is not None:
             values["lr"] = lr
@@ -129,6 +139,8 @@ class Observers:
             self.progress.update(step, epoch, self.train_loss, lr, rate, self.bad_this_epoch)
         self.loss_sum.zero_()
         self.loss_count = 0
+        self.grad_norm_sum.zero_()
+        self.grad_norm_count = 0
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Scalars to every tracker (rank 0) at `step`; validation metrics are kept for summary.json."""
@@ -159,8 +171,9 @@ class Observers:
             "samples_per_second": self.throughput.samples_per_second(),
             "wall_seconds": time.perf_counter() - self.started, "train_loss": self.train_loss,
             "val_loss": self.validation.get("Loss/val"), "val_acc1": self.validation.get("acc1/val"),
-            "val_acc5": self.validation.get("acc5/val"), "resumed_from_step": resumed_from,
-            **self._bad_files_seen(),
+            "val_acc5": self.validation.get("acc5/val"), "val_ema_loss": self.validation.get("Loss/val_ema"),
+            "val_ema_acc1": self.validation.get("acc1/val_ema"), "val_ema_acc5": self.validation.get("acc5/val_ema"),
+            "resumed_from_step": resumed_from, **self._bad_files_seen(),
             **(self.timing.summary() if self.timing is not None else {}),
         }
 
