@@ -96,6 +96,31 @@ def test_everything_on_resumed_mid_epoch_at_two_processes_ends_bit_identical(eve
     assert "Grad/norm" in read_scalars(tmp_path / "runs")
 
 
+@pytest.mark.slow
+def test_an_image_folder_with_the_policy_in_its_workers_and_repeats_resumes_bit_identical(tmp_path):
+    """The loader's workers draw each copy's crop, AugMix and erasure from its key (--ra-sampler: each copy its own),
+    at --train-crop-size and bicubic: a run resumed mid-epoch ends with the uninterrupted run's weights and EMA."""
+    from helpers import write_jpeg_folder
+
+    write_jpeg_folder(tmp_path / "data", per_class={"train": 12, "val": 2}, size=(96, 72))
+    run = ["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "40",
+           "--train-crop-size", "32", "--val-resize-size", "44", "--interpolation", "bicubic", "--batch-size", "4",
+           "--epochs", "2", "--num-workers", "2", "--auto-augment", "augmix", "--random-erase", "0.5",
+           "--ra-sampler", "--ra-reps", "2", "--model-ema", "--model-ema-steps", "2", "--warmup-steps", "1",
+           "--checkpoint-every", "4", "--keep-checkpoints", "10", "--val-every", "2"]
+    (tmp_path / "through").mkdir()
+    train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through")
+    assert read_summary(tmp_path / "through" / "runs")["global_step"] == 12  # 24 samples, 4 a step, 2 epochs
+    copy = tmp_path / "from" / "step-00000008.pt"  # epoch 1, batch 2 of 6
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / "through" / "checkpoints" / copy.name, copy)
+    (tmp_path / "resumed").mkdir()
+    train_ok([*run, "--resume", str(copy), *dirs_args(tmp_path / "resumed")], tmp_path / "resumed")
+    resumed, through = newest(tmp_path / "resumed" / "checkpoints"), newest(tmp_path / "through" / "checkpoints")
+    for name in ("model", "optimizer", "model_ema"):
+        assert_identical(resumed[name], through[name], name)
+
+
 # ------------------------------------------------------------------------------- each technique, its library's
 
 def test_mixup_and_cutmix_are_torchvisions_for_the_same_generator_state():
@@ -136,6 +161,29 @@ def test_a_samples_policy_and_erasure_are_torchvisions_drawn_from_its_key():
         expected = v2.RandomErasing(p=0.5, value=[128, 64, 32])(expected)
         assert torch.equal(got, expected)
     assert not all(torch.equal(a, b) for a, b in zip(ours, images))  # it changed something
+
+
+def test_the_image_folders_apply_the_policy_in_their_workers_and_the_gpu_path_leaves_it_to_the_device(tmp_path):
+    """The PIL and fast CPU paths (and packs) augment their training views where they make them, from the sample's
+    key: the same view as the policy applied to the plain view. --decode gpu's views are augmented on the device
+    (data.Batches, as in-memory data are); validation views never are."""
+    from trainer.data import jpeg
+    from trainer.data.images import ImageFolderWithKeys
+
+    from helpers import write_jpeg_folder
+
+    write_jpeg_folder(tmp_path, per_class={"train": 3, "val": 1}, size=(90, 70))
+    samples = SampleAugment(policy_transform("augmix", 9, 3, "bicubic"), 0.5, (0.485, 0.456, 0.406))
+    for kind in (ImageFolderWithKeys, jpeg.FastImageFolder):
+        plain = kind(tmp_path / "train", True, 40, "imagenet", 3, interpolation="bicubic")
+        augmented = kind(tmp_path / "train", True, 40, "imagenet", 3, interpolation="bicubic", samples=samples)
+        assert augmented.augments_samples
+        for index in range(len(plain)):
+            view = plain[(index, 5)][0]
+            assert torch.equal(augmented[(index, 5)][0], samples(view, sample_key(index, 5, 3)))
+        val = kind(tmp_path / "val", False, 40, "imagenet", 3, resize=60, samples=samples)
+        assert torch.equal(val[(0, 5)][0], kind(tmp_path / "val", False, 40, "imagenet", 3, resize=60)[(0, 5)][0])
+    assert not jpeg.GpuImageFolder.augments_samples
 
 
 def test_repeated_augmentation_order_is_the_references_and_each_copy_has_a_key_of_its_own():
