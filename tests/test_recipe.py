@@ -225,6 +225,13 @@ def test_the_ema_after_n_steps_is_averaged_models_on_the_same_sequence(tmp_path)
             reference.n_averaged.fill_(0)
     assert_identical(states[10]["model_ema"], reference.state_dict(), "model_ema")
     assert not torch.equal(states[10]["model_ema"]["module.head.2.weight"], states[10]["model"]["head.2.weight"])
+    # trainer-export --ema: the average as the model's own state_dict, what loads into the model for inference.
+    done = subprocess.run([sys.executable, "-m", "trainer.cli.export", "--ema", str(tmp_path / "checkpoints"),
+                           str(tmp_path / "ema.pt")], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    exported = torch.load(tmp_path / "ema.pt", weights_only=True)
+    model.load_state_dict(exported)
+    assert_identical(exported, reference.module.state_dict(), "exported")
 
 
 def test_clipping_is_clip_grad_norm_on_the_unscaled_gradients_and_fp16s_clipped_norm_is_within_the_bound():
@@ -325,6 +332,10 @@ def test_an_ema_starts_from_resumed_weights_and_one_left_off_is_kept_untouched(t
     assert with_ema["global_step"] == 6
     for name, value in plain["model"].items():  # no update in steps 5 and 6 (every 100): the resumed weights
         assert torch.equal(with_ema["model_ema"][f"module.{name}"], value), name
+    refused = subprocess.run([sys.executable, "-m", "trainer.cli.export", "--ema", str(tmp_path / "checkpoints" /
+                              "step-00000004.pt"), str(tmp_path / "ema.pt")], env=clean_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert "holds no average of the weights" in assert_usage_error(refused, "--ema")
     train_ok([*base, "--max-steps", "8"], tmp_path)
     kept = newest(tmp_path / "checkpoints")
     assert kept["global_step"] == 8

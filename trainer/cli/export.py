@@ -4,6 +4,7 @@
     trainer-export checkpoints/step-00000500 model.pt        # a --strategy fsdp checkpoint directory
     trainer-export checkpoints model.pt                      # a --checkpoint-dir: its newest committed one
     trainer-export checkpoints model.safetensors             # safetensors (pip install safetensors)
+    trainer-export --ema checkpoints model.pt                # the --model-ema average's weights instead
 
 OUT loads with torch.load(OUT, weights_only=True) straight into the unwrapped model:
 `torchvision.models.resnet50(num_classes=...).load_state_dict(torch.load("model.pt", weights_only=True))`.
@@ -26,6 +27,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("src", type=Path, help="a checkpoint file, a checkpoint directory, or a --checkpoint-dir")
     parser.add_argument("out", type=Path, help="the state_dict file to write (.safetensors: safetensors format)")
+    parser.add_argument("--ema", action="store_true", help="the --model-ema average of the weights (what "
+                        "torchvision publishes for its recipe) instead of the model's own")
     return parser.parse_args(argv)
 
 
@@ -44,17 +47,32 @@ def resolve(src: Path) -> Path:
     return newest[0]
 
 
-def model_state(path: Path) -> dict:
+def model_state(path: Path, ema: bool = False) -> dict:
     from trainer.checkpoint import sharded, store as checkpoint
 
     try:
         state = checkpoint.load_ours(path)
+        if ema:
+            return averaged_state(path, state)
         return sharded.full_model_state(path) if path.is_dir() else state["model"]
+    except UsageError:
+        raise
     except OSError as err:
         raise UsageError("SRC", f"cannot read {path} ({os_reason(err)})", "make it readable") from None
     except Exception as err:  # noqa: BLE001 (pickle, zip, DCP errors: all mean "not a loadable checkpoint")
         raise UsageError("SRC", f"'{path}' is not a loadable checkpoint ({checkpoint.why_not(err)})",
                          "give a checkpoint written by this trainer") from None
+
+
+def averaged_state(path: Path, state: dict) -> dict:
+    """The model_ema average's weights and buffers, named as the model's (AveragedModel keeps the model under
+    `module.` and counts its updates in n_averaged)."""
+    from trainer.engine.ema import NAME
+
+    if NAME not in state:
+        raise UsageError("--ema", f"{path} holds no average of the weights", "export it without --ema, or train with "
+                         "--model-ema")
+    return {key.removeprefix("module."): value for key, value in state[NAME].items() if key != "n_averaged"}
 
 
 def write(state: dict, out: Path) -> None:
@@ -87,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve(args.src)
         import torch
 
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model_state(path).items()
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model_state(path, args.ema).items()
                  if isinstance(v, torch.Tensor)}
         write(state, args.out)
     print(f"{args.out}: {len(state)} tensors from {path} ({sum(t.numel() for t in state.values()):,} values)")
