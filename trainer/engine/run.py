@@ -533,7 +533,7 @@ class Run:
         self._supervised.step_done()
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
-        self._mixed = self._clipped = 0  # a new step: its own mixes, its own clipping
+        self._mixed, self._clipped = 0, False  # a new step: its own mixes, its own clipping
         if self.ema is not None:  # before the checkpoint of this step
             self.ema.after_step(step)
         if self._local_sgd is not None:
