@@ -78,8 +78,6 @@ class Loop:
     def block(self, images, labels, steps: int) -> float:
         """CPU seconds per step over `steps` steps (the process's CPU time: on a machine whose cores other work
         shares, its wall time measures the others as much as this; one thread does all the work here)."""
-        import torch
-
         from trainer.data.augment import mix_key
         from trainer.data.images import sample_key
         from trainer.engine.optim import clip_gradients

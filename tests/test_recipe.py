@@ -276,7 +276,7 @@ def test_parameter_groups_are_the_references(tmp_path):
     model = build_model("resnet18", synthetic_spec(32))
     kinds = {}
     for owner, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
+        for name, _param in module.named_parameters(recurse=False):
             kinds[f"{owner}.{name}".lstrip(".")] = ("bias" if name == "bias" else
                                                    "norm" if isinstance(module, torch.nn.BatchNorm2d) else "other")
     params = list(model.named_parameters())
