@@ -201,10 +201,9 @@ def run_once(stack: str, nproc: int, args: argparse.Namespace, keep: Path) -> tu
         try:
             done, others = run_counting_other_work(command, cwd=workdir, env=env, capture_output=True, text=True,
                                                    timeout=1800)
-        except BaseException:  # Ctrl-C, a timeout: compose run's client may be gone, and its container with it
+        finally:  # Ctrl-C, a timeout, a client that ended first: compose run's --rm removes nothing without its client
             if stack == "container":
                 subprocess.run(["docker", "rm", "--force", name], capture_output=True, timeout=120)
-            raise
         if done.returncode != 0:
             print(f"+ {shlex.join(command)}  # the {stack} run that failed", file=sys.stderr)
             exit_with_failed_run(done)

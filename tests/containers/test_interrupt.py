@@ -24,6 +24,12 @@ RUN = "tests/containers/test_bench_parity.py::test_bench_runs_the_trainer_bare_m
 CASES = {"compose up": UP, "the benchmark's compose run": RUN}
 
 
+def terminal_signals() -> None:
+    """Ctrl-C as in a terminal: a session started from a background job of a script (`.ci/run &`, nohup) inherits
+    SIGINT ignored, and Python then raises no KeyboardInterrupt; a terminal's foreground job never has it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def new_containers(client, before: set[str]) -> list:
     return [c for c in client.containers.list(all=True) if c.id not in before]
 
@@ -39,7 +45,8 @@ def test_ctrl_c_while_containers_train_stops_the_tests_in_seconds_and_leaves_no_
                     PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     session = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
                                 str(tmp_path / "inner"), inner], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=terminal_signals)
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and session.poll() is None:
