@@ -9,11 +9,21 @@ line: detection (kill -> the restart line), restart (-> the checkpoint it resume
 first step (-> the first step at the new size), and the steps recomputed since that checkpoint.
 
 Modes, the same schedule each:
-  elastic   trainer-launch with NNODES=1:2 (c10d; the survivors go on at world size 1)
+  inplace   trainer-launch with NNODES=1:2, in-place recovery (RECOVERY's default): the processes stay, the survivor
+            goes on at world size 1 after the quorum drops the lost host, the returning one gets the state from it
+  elastic   trainer-launch with NNODES=1:2 and RECOVERY=restart (c10d; the survivors restart at world size 1)
   static    trainer-launch with NNODES=2 and MAX_RESTARTS=10 (the survivor restarts and waits for the host)
   torchrun  plain `torchrun --nnodes 1:2 --rdzv-backend c10d` running the built-in trainer (no launcher)
 
-    python -m bench.goodput --steps 600 --fault-every 60 --down-for 20 --modes elastic static torchrun
+In place, each loss is split from the survivor's own lines: detection (kill -> its abandoned step, or its next
+generation when it was between steps), agreement (the quorum's wait: the lighthouse drops the lost host once its
+heartbeats lapse), regroup (the new process group across the hosts), state transfer (none for a loss) and the abandoned
+step's seconds; each return into the running host's pause (its longest gap between steps as the host joined) with
+the same split, the state transfer being the running host's send. Lost progress is the issue's measure: from the
+kill until the job logs a step beyond the newest it had logged before. Every run records the cores other work kept
+busy meanwhile (this machine is shared): numbers beside a busy machine are worth repeating on a quiet one.
+
+    python -m bench.goodput --steps 600 --fault-every 60 --down-for 20 --modes inplace elastic static torchrun
 """
 
 from __future__ import annotations
@@ -34,10 +44,13 @@ from pathlib import Path
 
 from bench.results import RESULTS, describe_machine, now, write_results
 
-MODES = ("elastic", "static", "torchrun")
+MODES = ("inplace", "elastic", "static", "torchrun")
 RESUMED = re.compile(r"resuming from .*step-(\d+)\.pt \(step (\d+)")
 STEP = re.compile(r"epoch \d+ step (\d+)/")
 WORLD = re.compile(r"training .* world size (\d+)")
+ABANDONED = re.compile(r"in place: step (\d+) abandoned after ([\d.]+) s")
+GENERATION = re.compile(r"in place: generation (\d+), world size (\d+) .* the quorum took ([\d.]+) s \(agreement "
+                        r"([\d.]+) s, new group ([\d.]+) s, state ([\d.]+) s")
 
 
 class Host:
@@ -73,8 +86,8 @@ def host_command(mode: str, args, work: Path) -> list[str]:
              "--epochs", "1", "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
              "--warmup-steps", "5", "--checkpoint-dir", str(work / "checkpoints"), "--log-dir", str(work / "runs")]
     if mode == "torchrun":
-        return ["torchrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{args.port}", "--rdzv-id=bench", "--max-restarts=10",
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",  # torchrun
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}", "--rdzv-id=bench", "--max-restarts=10",
                 "--rdzv-conf=last_call_timeout=5", "-m", "trainer", *train]
     return [sys.executable, "-m", "trainer.cli.launch", *train]
 
@@ -83,14 +96,18 @@ def host_env(mode: str, args, node: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "NNODES", "NODE_RANK", "MASTER_"))}
     env.update(PREFLIGHT="0", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port),
                OMP_NUM_THREADS=str(args.threads), TRAIN_GLOBAL_BATCH_SIZE=str(args.batch_size * 2))
-    if mode == "elastic":
+    if mode in ("elastic", "inplace"):
         env["NNODES"] = "1:2"
+        env["RECOVERY"] = "restart" if mode == "elastic" else "in-place"
     elif mode == "static":
         env.update(NNODES="2", NODE_RANK=str(node), MAX_RESTARTS="10")
     return env
 
 
 def one_run(mode: str, args, faults: bool) -> dict:
+    from trainer.cli.scale import busy_cpu_seconds, own_children_cpu_seconds
+
+    busy, own, began_all = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f"goodput-{mode}-"))
     args.port = free_port()
     first = Host(host_command(mode, args, work), host_env(mode, args, 0), work)
@@ -127,10 +144,13 @@ def one_run(mode: str, args, faults: bool) -> dict:
         summary = json.loads((work / "runs" / "summary.json").read_text())
     except (OSError, ValueError):
         pass
+    lines = sorted(line for host in hosts for line in host.lines)
+    split = split_inplace(first.lines, lines, kills, returns, began) if mode == "inplace" else \
+        split_faults(lines, kills, returns, began)
+    others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - began_all)
     result = {"mode": mode, "faults": faults, "wall_s": ended - began, "hung": hung, "code": first.proc.returncode,
               "global_step": summary.get("global_step"), "status": summary.get("status"),
-              "kills": len(kills), "per_fault": split_faults(sorted(line for host in hosts for line in host.lines),
-                                                             kills, returns, began)}
+              "kills": len(kills), "per_fault": split, "other_cores_busy": round(max(0.0, others), 2)}
     if hung or summary.get("global_step") != args.steps:
         result["tail"] = [line for _, line in first.lines[-15:]]
     shutil.rmtree(work, ignore_errors=True)
@@ -142,6 +162,8 @@ def split_faults(lines: list[tuple[float, str]], kills: list[float], returns: li
     out = []
     for k, killed in enumerate(kills):
         after = [(t, line) for t, line in lines if t >= killed]
+        lost = lost_progress(lines, killed)
+        pause = return_pause(lines, returns[k]) if k < len(returns) else None
         detected = next((t for t, line in after if line.startswith("restart ") or "exited with" in line), None)
         resumed = next(((t, line) for t, line in after if RESUMED.search(line)), None)
         stepped = next((t for t, line in after if resumed and t > resumed[0] and STEP.search(line)), None)
@@ -153,8 +175,79 @@ def split_faults(lines: list[tuple[float, str]], kills: list[float], returns: li
                     "restart_s": round(resumed[0] - detected, 1) if resumed and detected else None,
                     "load_and_first_step_s": round(stepped - resumed[0], 1) if stepped and resumed else None,
                     "recomputed_steps": last_step - back_at if back_at is not None else None,
-                    "host_back_after_s": round(returns[k] - killed, 1) if k < len(returns) else None})
+                    "host_back_after_s": round(returns[k] - killed, 1) if k < len(returns) else None,
+                    "lost_progress_s": lost, "return_pause_s": pause})
     return out
+
+
+def split_inplace(survivor: list[tuple[float, str]], lines: list[tuple[float, str]], kills: list[float],
+                  returns: list[float], began: float) -> list[dict]:
+    """Each loss and return of an in-place run, from the survivor's (the first host's) time-stamped lines."""
+    out = []
+    for k, killed in enumerate(kills):
+        after = [(t, line) for t, line in survivor if t >= killed]
+        abandoned = next(((t, float(m.group(2))) for t, line in after if (m := ABANDONED.search(line))), None)
+        regroup = next(((t, m) for t, line in after if (m := GENERATION.search(line)) and m.group(2) == "1"), None)
+        event = {"at_s": round(killed - began, 1), "lost_progress_s": lost_progress(lines, killed),
+                 "detect_s": round(min(t for t, _ in filter(None, (abandoned, regroup))) - killed, 2)
+                 if abandoned or regroup else None,
+                 "abandoned_step_s": abandoned[1] if abandoned else 0.0}
+        if regroup is not None:
+            _, m = regroup
+            event.update(agreement_s=float(m.group(4)), regroup_s=float(m.group(5)), state_s=float(m.group(6)))
+        if k < len(returns):
+            event.update(split_return(survivor, returns[k]), return_pause_s=return_pause(lines, returns[k]))
+        out.append(event)
+    return out
+
+
+def split_return(survivor: list[tuple[float, str]], back: float) -> dict:
+    """The running host's pause while the returning one joined, and its quorum's split (the state: its send)."""
+    joined = next(((t, m) for t, line in survivor if t >= back and (m := GENERATION.search(line)) and
+                   m.group(2) == "2"), None)
+    if joined is None:
+        return {"host_back_after_s": None}
+    at, m = joined
+    return {"return_agreement_s": float(m.group(4)), "return_regroup_s": float(m.group(5)),
+            "return_state_s": float(m.group(6)), "host_back_after_s": round(at - back, 1)}
+
+
+def progress_times(lines: list[tuple[float, str]]) -> list[tuple[float, int]]:
+    """(time, step) of every step line that goes beyond every step logged before it, by any host."""
+    out, newest = [], 0
+    for t, line in lines:
+        m = STEP.search(line)
+        if m and int(m.group(1)) > newest:
+            newest = int(m.group(1))
+            out.append((t, newest))
+    return out
+
+
+def lost_progress(lines: list[tuple[float, str]], killed: float) -> float | None:
+    """The issue's measure: from the kill until the job logs a step beyond the newest it had logged before."""
+    after = next((t for t, _ in progress_times(lines) if t > killed), None)
+    return round(after - killed, 2) if after is not None else None
+
+
+def return_pause(lines: list[tuple[float, str]], back: float, horizon: float = 90.0) -> float | None:
+    """The hosts already training, at a return: their longest time without a new step, from the return until the
+    first new step after the job trains at world size 2 again (within `horizon` seconds)."""
+    joined = next((t for t, line in lines if back <= t <= back + horizon and
+                   ((m := GENERATION.search(line)) and m.group(2) == "2" or (m := WORLD.search(line)) and
+                    m.group(1) == "2")), None)
+    if joined is None:
+        return None
+    times = [t for t, _ in progress_times(lines)]
+    first_after = next((t for t in times if t > joined), None)
+    if first_after is None:
+        return None
+    window = [t for t in times if t <= back][-1:] + [t for t in times if back < t <= first_after]
+    return round(max(b - a for a, b in zip(window, window[1:])), 2) if len(window) > 1 else None
+
+
+def median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,32 +267,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    baseline = one_run("elastic", args, faults=False)
-    if baseline["global_step"] != args.steps:
-        print(f"error: the fault-free run did not finish: {json.dumps(baseline)[:2000]}", file=sys.stderr)
-        return 1
-    args.timeout = args.timeout or max(300.0, 3 * baseline["wall_s"])
-    runs = [baseline] + [one_run(mode, args, faults=True) for mode in args.modes]
-    rows = []
-    for run in runs[1:]:
+    # The fault-free runs: the restart path's (every mode's goodput is against it), and in place's own (its step
+    # carries the quorum and the sum over the hosts).
+    baselines = {}
+    for mode in ("elastic", "inplace"):
+        if mode == "elastic" or mode in args.modes:
+            baselines[mode] = one_run(mode, args, faults=False)
+            print(json.dumps(baselines[mode]), file=sys.stderr, flush=True)
+    for mode, baseline in baselines.items():
+        if baseline["global_step"] != args.steps:
+            print(f"error: the fault-free {mode} run did not finish: {json.dumps(baseline)[:2000]}", file=sys.stderr)
+            return 1
+    reference = baselines["elastic"]["wall_s"]
+    args.timeout = args.timeout or max(300.0, 3 * reference)
+    runs = list(baselines.values())
+    for mode in args.modes:  # each run on stderr as it ends: a long series is not lost to a later failure
+        runs.append(one_run(mode, args, faults=True))
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    rows, splits = [], []
+    for run in runs[len(baselines):]:
         done = run["global_step"] == args.steps and not run["hung"]
-        goodput = baseline["wall_s"] / run["wall_s"] if done else 0.0
-        run["goodput"] = round(goodput, 3)
+        run["goodput"] = round(reference / run["wall_s"], 3) if done else 0.0
+        own = baselines.get(run["mode"], {}).get("wall_s")
         costs = run["per_fault"]
-
-        def median(key, costs=costs):
-            values = sorted(c[key] for c in costs if c[key] is not None)
-            return values[len(values) // 2] if values else None
-        rows.append(f"| {run['mode']} | {run['kills']} | {run['wall_s']:.0f} s | "
-                    f"{'%.2f' % goodput if done else 'did not finish: ' + ('hung' if run['hung'] else 'exit %s' % run['code'])} | "
-                    f"{median('detect_s')} | {median('restart_s')} | {median('load_and_first_step_s')} | "
-                    f"{median('recomputed_steps')} |")
+        ended = "%.2f" % run["goodput"] if done else "did not finish: " + ("hung" if run["hung"] else
+                                                                          "exit %s" % run["code"])
+        rows.append(f"| {run['mode']} | {run['kills']} | {run['wall_s']:.0f} s | {ended} | "
+                    f"{'%.2f' % (own / run['wall_s']) if done and own else '-'} | "
+                    f"{median([c.get('lost_progress_s') for c in costs])} | "
+                    f"{median([c.get('return_pause_s') for c in costs])} | {run['other_cores_busy']} |")
+        if run["mode"] == "inplace":
+            splits.append("| in place | " + " | ".join(str(median([c.get(k) for c in costs])) for k in (
+                "detect_s", "agreement_s", "regroup_s", "state_s", "abandoned_step_s", "return_agreement_s",
+                "return_regroup_s", "return_state_s")) + " |")
+        else:
+            splits.append(f"| {run['mode']} | " + " | ".join(str(median([c.get(k) for c in costs])) for k in (
+                "detect_s", "restart_s", "load_and_first_step_s", "recomputed_steps")) + " | | | | |")
     header = {"command": " ".join(["python", "-m", "bench.goodput", *argv]), "date": now(), "machine": describe_machine()}
+    free = ", ".join(f"{mode} {b['wall_s']:.0f} s (other work {b['other_cores_busy']} cores)"
+                     for mode, b in baselines.items())
     table = (f"`{header['command']}`  \n{header['date']}, {header['machine']}\n\n"
-             f"fault-free: {baseline['wall_s']:.0f} s for {args.steps} steps (elastic, 2 hosts)\n\n"
-             "| mode | losses | wall | goodput | detect s | restart s | load + first step s | recomputed steps |\n"
-             "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    write_results(args.out, "goodput", header, runs, {"baseline_s": baseline["wall_s"]}, table)
+             f"fault-free, {args.steps} steps: {free}\n\n"
+             "| mode | losses | wall | goodput (vs the restart path's fault-free) | goodput (vs its own) | lost "
+             "progress per loss s | pause at a return s | other work (cores) |\n|---|---|---|---|---|---|---|---|\n"
+             + "\n".join(rows) + "\n\nPer event (medians): in place: detection, agreement, regroup, state transfer, "
+             "abandoned step; at a return: agreement, regroup, state sent. Restart: detection, restart, load + first "
+             "step, recomputed steps.\n\n| mode | detect s | agreement / restart s | regroup / load + first step s | "
+             "state s / recomputed | abandoned step s | return: agreement s | regroup s | state s |\n"
+             "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(splits) + "\n")
+    write_results(args.out, "goodput", header, runs, {"baseline_s": reference}, table)
     return 0
 
 

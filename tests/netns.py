@@ -41,15 +41,16 @@ class Host:
 
     def launch(self, root: Path, samples: int, preflight: bool = False, elastic: bool = False) -> Launch:
         """This host's node of a tiny run; its files (node 0's checkpoints) stay under root, as on a real host.
-        elastic: NNODES=1:2 and no NODE_RANK, the same settings on both hosts (root: one shared directory)."""
+        elastic: NNODES=1:2 and no NODE_RANK, the same settings on both hosts (root: one shared directory), recovery
+        by a restart."""
         root.mkdir(exist_ok=True)
         args = tiny_run(root, samples) + ["--collective-timeout", str(COLLECTIVE_TIMEOUT_S)]
         env = {"NNODES": "2", "NODE_RANK": str(self.node_rank), "NPROC_PER_NODE": "1",
                "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": "29500", "RDZV_TIMEOUT": "120",
                "GLOO_SOCKET_IFNAME": self.veth, "PREFLIGHT": "1" if preflight else "0",
                "TRAIN_NUM_WORKERS": "0"}  # the doctor sizes /dev/shm for DataLoader workers; in-memory data has none
-        if elastic:
-            env["NNODES"] = "1:2"
+        if elastic:  # the restart path's recovery (tests/test_inplace.py has the in-place one's)
+            env.update(NNODES="1:2", RECOVERY="restart")
             del env["NODE_RANK"]
         return Launch(args, root, env, name=f"node{self.node_rank}", prefix=self.prefix)
 

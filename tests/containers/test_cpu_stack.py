@@ -198,6 +198,56 @@ def test_help_in_the_cpu_profile_shows_the_profiles_values(make_project):
         assert shown in text, out.stdout
 
 
+
+def test_an_in_place_pair_keeps_its_processes_when_a_host_is_killed_comes_back_and_is_stopped(make_project):
+    """compose.multinode.yaml with in-place recovery (RECOVERY's default; the image has torchft), the first project
+    also running the lighthouse-cpu service apart from its trainer. Once both train (world size 4), `docker compose
+    kill trainer-cpu` on the second (a host lost: SIGKILL): the first host's processes go on at world size 2 without
+    a restart; `docker compose start trainer-cpu`: the host rejoins in place; `docker compose stop trainer-cpu`: it
+    leaves (exit 0) and the first trains alone to the end, exit 0. The first host's training processes keep their
+    pids throughout."""
+    samples = 32768  # 512 steps of the global batch (16 x 4)
+    nodes = [make_project(f"inplace{i}", files=[MULTINODE_FILE]) for i in (0, 1)]
+    shared = {"CHECKPOINT_DIR": str(nodes[0].checkpoints), "RUNS_DIR": str(nodes[0].runs)}
+    for node in nodes:
+        node.env.update(shared, NNODES="1:2", NODE_RANK="", MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="2",
+                        MASTER_PORT=nodes[0].env["MASTER_PORT"], TRAIN_SYNTHETIC_SIZE=str(samples), TRAIN_EPOCHS="1",
+                        TRAIN_BATCH_SIZE="16", TRAIN_CHECKPOINT_EVERY="8", TRAIN_LOG_EVERY="8",
+                        TRAIN_COLLECTIVE_TIMEOUT="30")
+    nodes[0].up_attached(profile=("cpu", "lighthouse-cpu"))
+    time.sleep(5)
+    nodes[1].up_attached()
+    generation = r"in place: generation \d+, world size (\d+) of at most 4"
+
+    def sizes(log: str) -> list[str]:
+        return re.findall(generation, log)
+    nodes[0].wait_log("trainer-cpu", r"recovery: in place: ", timeout=300)
+    deadline = time.monotonic() + 300
+    while "4" not in sizes(nodes[0].logs("trainer-cpu")):
+        assert time.monotonic() < deadline, nodes[0].logs("trainer-cpu")[-4000:] + nodes[1].logs("trainer-cpu")[-3000:]
+        time.sleep(0.5)
+
+    def workers() -> list[str]:  # the first host's training processes (started through the bootstrap)
+        return sorted(p[1] for p in nodes[0].container("trainer-cpu").top()["Processes"] if "bootstrap" in p[-1])
+    pids = workers()
+    assert len(pids) >= 2, nodes[0].container("trainer-cpu").top()
+    nodes[1].run("kill", "trainer-cpu", timeout=120)
+    nodes[0].wait_log("trainer-cpu", r"in place: generation \d+, world size 2 of at most 4", timeout=120)
+    nodes[1].run("start", "trainer-cpu", timeout=120)
+    deadline = time.monotonic() + 300
+    while sizes(nodes[0].logs("trainer-cpu"))[-1:] != ["4"] or sizes(nodes[0].logs("trainer-cpu")).count("4") < 2:
+        assert time.monotonic() < deadline, nodes[0].logs("trainer-cpu")[-4000:] + nodes[1].logs("trainer-cpu")[-3000:]
+        time.sleep(0.5)
+    assert workers() == pids  # the lost host's loss and return cost the first host no process
+    nodes[1].run("stop", "trainer-cpu", timeout=120)
+    assert nodes[1].wait_exit("trainer-cpu", timeout=120)["ExitCode"] == 0, nodes[1].logs("trainer-cpu")[-3000:]
+    assert nodes[0].wait_exit("trainer-cpu", timeout=600)["ExitCode"] == 0, nodes[0].logs("trainer-cpu")[-4000:]
+    log = nodes[0].logs("trainer-cpu")
+    assert "restart 1 of" not in log and "Traceback" not in log, log[-4000:]
+    assert sizes(log)[-1] == "2", sizes(log)
+    summary = nodes[0].summary()
+    assert summary["status"] == "completed" and summary["global_step"] == samples // (16 * 4), summary
+
 def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped_and_grows_back_when_it_starts_again(make_project):
     """compose.multinode.yaml's elastic setting: the same settings on both hosts (NNODES=1:2, no NODE_RANK), one
     checkpoint directory and runs directory both mount (as hosts share NFS). `docker compose stop` on the second
@@ -211,7 +261,8 @@ def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped_and_grows_back_w
     for node in nodes:
         node.env.update(shared, NNODES="1:2", NODE_RANK="", MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="2",
                         MASTER_PORT=nodes[0].env["MASTER_PORT"], TRAIN_SYNTHETIC_SIZE=str(samples), TRAIN_EPOCHS="1",
-                        TRAIN_BATCH_SIZE="16", TRAIN_CHECKPOINT_EVERY="8", TRAIN_LOG_EVERY="8")
+                        TRAIN_BATCH_SIZE="16", TRAIN_CHECKPOINT_EVERY="8", TRAIN_LOG_EVERY="8",
+                        RECOVERY="restart")  # the in-place pair is the next test
     for node in nodes:
         node.up_attached()
         time.sleep(5)  # the first runs the c10d store

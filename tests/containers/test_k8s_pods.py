@@ -233,7 +233,8 @@ def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(
     with it: its agent restarts its workers, the rendezvous closes with one pod, and it trains to the end at world
     size 2 from the newest checkpoint, with the same global batch."""
     samples = 32768  # 256 steps of the global batch (32 x 4): long enough for worker-1 to join, then be lost
-    pods = simulate("pytorchjob-elastic", {**TRAINING, "TRAIN_SYNTHETIC_SIZE": str(samples), "TRAIN_EPOCHS": "1"})
+    pods = simulate("pytorchjob-elastic", {**TRAINING, "TRAIN_SYNTHETIC_SIZE": str(samples), "TRAIN_EPOCHS": "1",
+                                           "RECOVERY": "restart"})  # the restart path's rendezvous at worker-0
     # On a cluster each pod has its own address and only worker-0 holds the rendezvous endpoint's; here both
     # share one loopback, so worker-0 goes first and runs the store before worker-1 looks (the port is taken).
     pods.start(pods.pods[0])

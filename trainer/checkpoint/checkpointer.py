@@ -35,7 +35,7 @@ from trainer.checkpoint.store import (
     set_aside_after,
 )
 from trainer.config.settings import ELASTIC_WORLD_ENV
-from trainer.core.errors import Diverged, EchoedUsageError, UsageError
+from trainer.core.errors import Diverged, EchoedUsageError, Fenced, UsageError
 from trainer.parallel import collectives
 from trainer.parallel.context import DistContext
 from trainer.parallel.supervised import writing
@@ -75,7 +75,7 @@ class Checkpointer:
     def __init__(self, ctx: DistContext, directory: str, keep: int, every: int, resume: str, sharded: bool,
                  door: str, labels: Labels, background: bool = False):
         self.ctx, self.directory, self.keep, self.every = ctx, Path(directory), keep, every
-        self.sharded, self.door, self.labels = sharded, door, labels
+        self.sharded, self.door, self.labels, self.resume = sharded, door, labels, resume
         self.objects: Registered | None = None
         self.built: dict[str, Any] = {}  # the optimizers' and schedulers' settings as this run built them
         self.changed: list[ckpt.Changed] = []  # those the resume found changed since its checkpoint, applied
@@ -95,9 +95,14 @@ class Checkpointer:
             log.warning("--checkpoint-async: this torch has no torch.distributed.checkpoint.async_save; fsdp's "
                         "checkpoints are written in the step")
         self._writer: threading.Thread | None = None
-        self._write_failed: CheckpointError | None = None
+        self._write_failed: CheckpointError | Fenced | None = None
         self._copy: Any = None  # rank 0's CPU copy of the last background checkpoint, reused by the next
         self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
+        # In-place recovery: hosts hold the same state, and one writes it (the first of the generation, which may
+        # change with every membership); fence raises trainer.core.errors.Fenced for a host the job went on without.
+        self.writes: Callable[[], bool] = lambda: True
+        self.fence: Callable[[], None] | None = None
+        self.shared_claim = False  # several hosts of one job claim the directory together (in-place recovery)
         self._claimed: list = []
         self.saved_position: dict[str, int] | None = None  # what the checkpoint resumed from said
         self.resumed_path: Path | None = None
@@ -131,8 +136,11 @@ class Checkpointer:
             if self.objects is not None:
                 self._check_room()
             try:
-                self._claimed.append(claim(self.directory))
-                self._set_aside_abandoned()
+                self._claimed.append(claim(self.directory, shared=self.shared_claim))
+                # In place, a host that joins follows the job's newest checkpoint, which the running hosts may pass
+                # between its look and this line: what is above its own is theirs, not an abandoned future.
+                if not (self.shared_claim and self.resume == "auto"):
+                    self._set_aside_abandoned()
             except UsageError as err:
                 raise UsageError(self.labels.checkpoint_dir, *err.parts[1:]) from None
 
@@ -200,17 +208,29 @@ class Checkpointer:
         if self._found is None:
             return None
         state, path = self._found
-        model = self.objects.model
-        ckpt.restore(self.objects, state, path, model is not None and is_sharded(model), self.labels.resume,
-                     self.labels.fix)
+        position = self.put_back(state, path)
         self.changed = ckpt.apply_changed(self.objects, state.get("hyperparameters"), self.built, self._live)
         self._live = {}
-        ckpt.set_rng_state(self.ctx.device, state["rng"])
         self._found = None  # the objects hold their own copies now
         self.last_committed = state["global_step"]
-        self.saved_position = {key: state[key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
         self.resumed_path = path
+        return position
+
+    def put_back(self, state: dict[str, Any], source: Path) -> Position:
+        """The registered objects, the RNG and the position from a checkpoint dict (read from `source`: a file, or
+        a live peer's state under in-place recovery)."""
+        model = self.objects.model
+        ckpt.restore(self.objects, state, source, model is not None and is_sharded(model), self.labels.resume,
+                     self.labels.fix)
+        ckpt.set_rng_state(self.ctx.device, state["rng"])
+        self.saved_position = {key: state[key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
         return Position(state["epoch"], state["batch"], state["global_step"])
+
+    def state_at(self, pos: Position, samples_per_batch: int, config: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint dict of the registered objects at `pos` (their live tensors, not copies)."""
+        info = ckpt.meta(pos, samples_per_batch, config, self.door, self.objects.names(), self.ctx.device,
+                         self.built)
+        return ckpt.snapshot(self.objects, info)
 
     def resized_batch(self, samples_per_batch: int, grad_accum: int) -> int:
         """The saved position's batch in micro-batches of samples_per_batch (over all ranks)."""
@@ -246,7 +266,7 @@ class Checkpointer:
                     raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
                 self._writer = threading.Thread(target=self._write, args=(pos.step, finish), name="checkpoint-writer")
                 self._writer.start()
-            elif self.ctx.is_main:  # a copy the next steps cannot change, then the write in a thread
+            elif self.ctx.is_main and self.writes():  # a copy the next steps cannot change, written in a thread
                 # Into the previous copy's tensors where they fit: a fresh copy also faults in and zeroes every
                 # page, in the step. The previous write is done (wait() above), so nothing reads them.
                 state = cpu_copy(ckpt.snapshot(self.objects, info), reuse=self._copy)
@@ -262,11 +282,12 @@ class Checkpointer:
                     path = save_sharded(self.directory, pos.step, model, optimizer, rest, self.ctx, self.keep,
                                         (model_name, optim_name))
                 else:
-                    state = ckpt.snapshot(self.objects, info) if self.ctx.is_main else None
-                    path = save(self.directory, pos.step, state, self.keep) if self.ctx.is_main else None
+                    writer = self.ctx.is_main and self.writes()
+                    state = ckpt.snapshot(self.objects, info) if writer else None
+                    path = save(self.directory, pos.step, state, self.keep, self.fence) if writer else None
         except CheckpointError as err:  # the store names the built-in loop's flag
             raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
-        if self.ctx.is_main:
+        if path is not None and self.ctx.is_main:
             log.info("checkpoint committed: %s", path)
         self.last_committed = pos.step
         collectives.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
@@ -277,9 +298,12 @@ class Checkpointer:
         idle_priority()
         try:
             with writing():
-                path = state() if callable(state) else save(self.directory, step, state, self.keep)
+                path = state() if callable(state) else save(self.directory, step, state, self.keep, self.fence)
         except CheckpointError as err:
             self._write_failed = CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1))
+            return
+        except Fenced as err:  # raised in the step that waits for this write
+            self._write_failed = err
             return
         if self.ctx.is_main:
             log.info("checkpoint committed: %s", path)

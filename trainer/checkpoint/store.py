@@ -56,21 +56,23 @@ def ensure_output_dir(path: str, setting: str) -> None:
         raise UsageError(setting, f"'{path}' has {free >> 10} KiB free", "free some space or use a bigger volume")
 
 
-def claim(directory: Path) -> IO[str]:
+def claim(directory: Path, shared: bool = False) -> IO[str]:
     """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
-    rotation (each keeps the highest steps) and temp files. Held until the returned file is closed."""
+    rotation (each keeps the highest steps) and temp files. Held until the returned file is closed. shared: the
+    hosts of one in-place job each take it, together (a run of another kind still finds it taken)."""
     lock = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 (held for the run: the caller closes it)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except OSError:
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
         raise UsageError("--checkpoint-dir", f"{directory} is in use by another run ({holder})",
                          "give each run its own --checkpoint-dir") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
+    if not shared:  # the holders of a shared lock leave its first holder's words
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
     return lock
 
 
@@ -190,7 +192,10 @@ def _sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any],
     return committed
 
 
-def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+def save(directory: Path, step: int, state: dict[str, Any], keep: int, fence: Callable[[], None] | None = None
+         ) -> Path:
+    """fence: called once the file is written, before it is committed; what it raises (trainer.core.errors.Fenced:
+    the job went on without this host) leaves nothing behind."""
     final = checkpoint_path(directory, step)
     measured: list[bool] = []
     try:
@@ -199,6 +204,8 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
         # a full disk no longer looks full.
         with atomic_file(final, before_cleanup=lambda err: measured.append(_out_of_space(err, directory))) as f:
             torch.save(state, f)
+            if fence is not None:
+                fence()
     except (OSError, RuntimeError) as err:
         full = measured[0] if measured else _out_of_space(err, directory)
         raise _save_failed(err, final, directory, full) from None

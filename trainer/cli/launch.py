@@ -17,14 +17,17 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 from typing import Mapping, Sequence
 
-from trainer.cluster.launch import SCRIPT_ENV, build_command, per_host_env
+from trainer.cluster import lighthouse
+from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env
 from trainer.cluster.topology import Topology
 from trainer.config import launcher
 from trainer.config.launcher import help_table
-from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig
+from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV,
+                                     REPLICA_ENV, TrainConfig, script_settings)
 from trainer.core.errors import UsageError, exit_on_usage_error, print_error
 
 EPILOG = """
@@ -76,19 +79,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
         if dry_run:
             per_host = {} if launch.per_host is None else {"mode": "per-host", "once_per_host": launch.per_host}
-            print(json.dumps({**launch.topology.facts(), **per_host, "command": launch.command}, indent=2))
+            if launch.recovery is not None:
+                per_host["recovery"] = "in-place" if launch.in_place else "restart"
+                per_host["recovery_line"] = launch.recovery.line()
+            print(json.dumps({**launch.job.facts(), **per_host, "command": launch.command}, indent=2))
             return 0
         if launch.rendezvous is not None and not launch.topology.elastic:  # c10d: any host may host it
             ensure_master_port_free(launch.topology)
-        if launch.topology.elastic:
+        if launch.topology.elastic:  # the restart path (in place, this host's agent runs a group of its own)
             os.environ[ELASTIC_WORLD_ENV] = str(launch.topology.world_size)
             # torch's shared rendezvous store publishes the workers' MASTER_ADDR only in a node's first round,
             # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
             # trips an AssertionError): every round publishes its own without the sharing.
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    print(launch.topology.summary(), file=sys.stderr, flush=True)
+    print(launch.job.summary(), file=sys.stderr, flush=True)
+    if launch.recovery is not None:
+        print(launch.recovery.line(), file=sys.stderr, flush=True)
     if launch.settings.preflight:
         run_preflight(launch.cfg, env)
+    if launch.in_place:
+        with exit_on_usage_error():
+            start_in_place(launch, env)
     program = [*launch.program.target, *launch.program.args]
     if launch.per_host is not None:
         shown = shlex.join(program[:2] if program[0] == "-m" else program[:1])
@@ -102,6 +113,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.cluster import agent
 
     return agent.run_once(launch, program) if launch.per_host is not None else agent.run(launch, program)
+
+
+def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen | None:
+    """The lighthouse (beside this launcher, on the MASTER_ADDR host, unless one answers there already), then the
+    wait for it; the workers' environment (the agent passes this process's on). A lighthouse that never answers is
+    one line and exit 2 (UsageError)."""
+    job, recovery = launch.job, launch.recovery
+    host, port = job.master_addr, job.master_port
+    bound = launch.settings.rdzv_timeout
+    started = None
+    if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
+        timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
+            script_settings({}, env, job.world_size).collective_timeout
+        started = lighthouse.start(port, job.min_nodes, timeout)
+    why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started)
+    if why is not None:
+        given = job.variables("master_addr", "master_port") or ["MASTER_ADDR", "MASTER_PORT"]
+        raise UsageError(given[0], f"the lighthouse at {lighthouse.url(host, port)} cannot be reached ({why}; waited "
+                         f"RDZV_TIMEOUT, {bound} s)", f"start trainer-launch on the MASTER_ADDR host first (it runs "
+                         f"the lighthouse), or check {', '.join(given)} and the firewall between the hosts; "
+                         "RECOVERY=restart takes the restart path instead")
+    os.environ.update({LIGHTHOUSE_ENV: lighthouse.url(host, port), INPLACE_WORLD_ENV: str(job.world_size),
+                       REPLICA_ENV: recovery.replica, REPLICA_ADDR_ENV: recovery.local.master_addr})
+    return started
 
 
 def ensure_master_port_free(topology: Topology) -> None:

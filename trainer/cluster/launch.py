@@ -8,12 +8,14 @@ import math
 import os
 import re
 import secrets
+import shlex
 import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from trainer.cluster import lighthouse
 from trainer.cluster import topology as topo
 from trainer.cluster.gpus import visible_gpu_count
 from trainer.cluster.topology import Topology
@@ -32,6 +34,9 @@ ELASTIC_KEEP_ALIVE_S, ELASTIC_KEEP_ALIVE_MISSED = 2, 3  # a host silent for 6 s 
 SCRIPT_ENV = "TRAIN_SCRIPT"
 assert SCRIPT_ENV in LAUNCHER_VARIABLES  # config.py's list of launcher knobs accepts it
 BUILTIN = ("-m", "trainer")
+# A script takes an abandoned step again only through trainer.api's loop pieces: run.steps() yields the step's
+# micro-batches, run.optimizer_step() sums the gradients over the hosts and commits (or abandons) the step.
+LOOP_PIECES = (re.compile(r"\.steps\s*\("), re.compile(r"\.optimizer_step\s*\("))
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,35 @@ class Rendezvous:
 
 
 @dataclass(frozen=True)
+class Recovery:
+    """How an elastic job recovers (RECOVERY): in place, through torchft's lighthouse at the job's MASTER_ADDR:
+    MASTER_PORT (each host's agent then runs a one-host group of its own), or by restarting every host's workers;
+    why: the reason a job that could have asked for in-place takes the restart path. job: the job's topology
+    (NNODES=MIN:MAX); local: in place, this host's group of its own; replica: this host's name in the quorum."""
+    in_place: bool
+    job: Topology
+    why: str = ""
+    local: Topology | None = None
+    replica: str = ""
+
+    def line(self) -> str:
+        """The one line naming the path the job is on."""
+        job = self.job
+        if self.in_place:
+            return (f"recovery: in place: a lost or returning host costs the others seconds (the processes stay; "
+                    f"torchft's lighthouse at {lighthouse.url(job.master_addr, job.master_port)} says who trains each "
+                    f"step; up to {job.world_size} processes, {job.min_nodes} host(s) at least)")
+        return (f"recovery: restart: a lost or returning host restarts every host's workers from the newest "
+                f"checkpoint ({self.why})")
+
+
+@dataclass(frozen=True)
 class Launch:
     """What trainer-launch runs, for which topology, with which training options (None: a user's script).
     command: the equivalent command (torchrun's, or the one process's); per_host: why the script runs once on this
-    host instead of once per rank (it starts its own processes)."""
+    host instead of once per rank (it starts its own processes); recovery: an elastic job's (None otherwise). In
+    place, topology and rendezvous are this host's group of its own (what the agent runs; the job's topology is
+    recovery.job)."""
     command: list[str]
     topology: Topology
     cfg: TrainConfig | None
@@ -56,6 +86,16 @@ class Launch:
     settings: LauncherSettings | None = None
     program: Program | None = None
     rendezvous: Rendezvous | None = None
+    recovery: Recovery | None = None
+
+    @property
+    def in_place(self) -> bool:
+        return self.recovery is not None and self.recovery.in_place
+
+    @property
+    def job(self) -> Topology:
+        """The job's topology (in place, the hosts together; topology is then this host's own)."""
+        return self.recovery.job if self.recovery is not None else self.topology
 
 
 # The tutorials' own launchers: torch.multiprocessing's spawn (mp.spawn(train, nprocs=gpus)), and a tcp://
@@ -276,17 +316,29 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
         rdzv = rendezvous(topology, settings)
         launch = replace(launch, command=torchrun_command(topology, program.args, program.target, settings, rdzv),
                          rendezvous=rdzv)
+    per_host = launches_itself(program, settings.script_launch) if options is None and \
+        topology.mode == topo.TORCHRUN else None
+    if topology.elastic and topology.mode == topo.TORCHRUN:
+        recovery = choose_recovery(settings, topology, program, options, per_host)
+        launch = replace(launch, recovery=recovery)
+        if recovery.in_place:  # this host's group of its own; the lighthouse joins the hosts' groups
+            rdzv = rendezvous(recovery.local, settings)
+            launch = replace(launch, topology=recovery.local, rendezvous=rdzv,
+                             command=torchrun_command(recovery.local, program.args, program.target, settings, rdzv))
     if options is None:
         # A script on trainer.api reads the same TRAIN_* settings (its keyword arguments win over them): a bad
         # value fails here in one line, not once per rank after the workers have started.
         script_settings({}, env, world_size=topology.world_size)
-        why = launches_itself(program, settings.script_launch) if topology.mode == topo.TORCHRUN else None
-        if why is not None:
-            return replace(launch, command=single_worker_command(program.args, program.target), per_host=why)
+        if per_host is not None:
+            return replace(launch, command=single_worker_command(program.args, program.target), per_host=per_host)
         return launch
     if topology.mode == topo.TORCHRUN:
         # The worker's own check, before the workers start ranks that would each fail with it.
         check_gpu_options(options.backend, options.sync_bn, gpu_count() > 0, topology.world_size)
+    if launch.in_place:
+        # Every membership trains the micro-batches of the largest world: its settings are the job's.
+        check_resume(options)
+        return replace(launch, cfg=load_config(list(program.args), env, world_size=topology.world_size))
     if topology.elastic:  # every world size the job may shrink to must take the settings (the global batch)
         env = {**env, ELASTIC_WORLD_ENV: str(topology.world_size)}
         sizes = [nodes * topology.nproc_per_node for nodes in range(topology.min_nodes, topology.nnodes + 1)]
@@ -315,6 +367,54 @@ def elastic_batch_error(err: UsageError, options: TrainConfig, topology: Topolog
         fix = f"use a multiple of {every}, which every world size of NNODES={topology.node_range} x grad-accum divides"
     return UsageError(setting, f"{problem}, a world size this elastic job may shrink to (NNODES={topology.node_range})",
                       fix)
+
+
+def choose_recovery(settings: LauncherSettings, topology: Topology, program: Program, options: TrainConfig | None,
+                    per_host: str | None) -> Recovery:
+    """An elastic job's recovery path (RECOVERY), with the reason when in-place cannot be had."""
+    if settings.recovery == "restart":
+        return Recovery(False, topology, "RECOVERY=restart")
+    if per_host is not None:
+        why = f"the script starts its own processes ({per_host})"
+    elif options is not None and options.strategy == "fsdp":
+        why = "--strategy fsdp shards the model; in-place recovery replicates whole models across the hosts"
+    elif options is not None and options.local_sgd_period:
+        why = "--local-sgd-period averages the models now and then; in-place recovery sums gradients every step"
+    elif not program.builtin:
+        why = script_off_the_loop(program)
+    else:
+        why = None
+    why = why or lighthouse.unavailable()
+    if why is not None:
+        return Recovery(False, topology, f"in-place cannot: {why}")
+    local_addr = address_toward(topology.master_addr, topology.master_port) or socket.gethostname()
+    return Recovery(True, topology, local=local_group(topology, local_addr),
+                    replica=f"{local_addr}-{socket.gethostname()}")
+
+
+def local_group(job: Topology, local_addr: str) -> Topology:
+    """In place: the one-host group this host's agent runs (a static rendezvous on a free port of this host's
+    address toward MASTER_ADDR, where the other hosts reach it for a state transfer); the hosts' groups meet
+    through the lighthouse, not through the agent."""
+    return replace(job, nnodes=1, min_nodes=0, node_rank=0, master_addr=local_addr, master_port=free_port(),
+                   world_size=job.nproc_per_node,
+                   sources={**job.sources, "master_port": "a free port (in place: this host's own group)"})
+
+
+def script_off_the_loop(program: Program) -> str | None:
+    """Why a script cannot take an abandoned step again (None: its source trains through run.steps() and
+    run.optimizer_step(), the loop pieces that can)."""
+    path = program.target[0] if program.target[0] != "-m" else _module_file(program.target[1])
+    try:
+        source = "\n".join(line for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+                           if not line.lstrip().startswith("#"))
+    except (OSError, TypeError):
+        source = ""
+    if all(piece.search(source) for piece in LOOP_PIECES):
+        return None
+    name = shlex.join(program.target)
+    return (f"{name} does not train through trainer.api's run.steps() and run.optimizer_step(), which take an "
+            "abandoned step again (docs/your-code.md)")
 
 
 def free_port() -> int:

@@ -21,6 +21,7 @@ DEFAULT_HANG_TIMEOUT = 600  # seconds: well under torch's 30-minute collective d
 DEFAULT_ELASTIC_RESTARTS = 10  # each lost or returning host is one restart of every host's workers
 DEFAULT_STOP_GRACE = "60s"  # compose.yaml's default stop_grace_period: one grace period end to end
 SCRIPT_LAUNCH_CHOICES = ("auto", "torchrun", "per-host")
+RECOVERY_CHOICES = ("in-place", "restart")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 # Where a platform's own grace period is visible to the launcher: compose.yaml passes its stop_grace_period,
@@ -38,9 +39,9 @@ class Variable:
 
 
 LAUNCHER_SETTINGS = (
-    Variable("NNODES", "1", "hosts in the job; MIN:MAX (e.g. 1:2) for elastic membership: the c10d rendezvous at "
-             "MASTER_ADDR:MASTER_PORT assigns node ranks, a lost host's peers go on from the newest checkpoint with "
-             "as few as MIN hosts and the same global batch, a returning host joins (docs/elastic.md)"),
+    Variable("NNODES", "1", "hosts in the job; MIN:MAX (e.g. 1:2) for elastic membership: a lost host's peers go on "
+             "with as few as MIN hosts and the same global batch, a returning host joins; in place (RECOVERY), or "
+             "from the newest checkpoint after the c10d rendezvous at MASTER_ADDR:MASTER_PORT (docs/elastic.md)"),
     Variable("NODE_RANK", "0", "this host's index, 0 .. NNODES-1; rank 0 lives on host 0 (unset under NNODES=MIN:MAX)"),
     Variable("NPROC_PER_NODE", "visible GPUs, or 2 without GPUs", "worker processes on this host"),
     Variable("MASTER_ADDR", "127.0.0.1 on one host; required on several", "address of the NODE_RANK=0 host"),
@@ -61,6 +62,12 @@ LAUNCHER_SETTINGS = (
              "its own ranks), so it runs once per host, without torchrun; torchrun: a copy per rank; auto tells them "
              "apart by the source (docs/scripts.md)"),
     Variable("RDZV_TIMEOUT", str(DEFAULT_RDZV_TIMEOUT), "seconds to wait for every host to join"),
+    Variable("RECOVERY", "in-place", "what an elastic job (NNODES=MIN:MAX) does when a host is lost or comes back. "
+             "in-place: the processes stay, a quorum at every step (torchft's lighthouse, run beside the launcher on "
+             "the MASTER_ADDR host) says who trains it, a returning host gets the state from a live peer: seconds per "
+             "change; where the job cannot (torchft not installed, --strategy fsdp, local SGD, a script not on "
+             "run.steps()) it takes the restart path and says why. restart: every host's workers start again from the "
+             "newest checkpoint (docs/elastic.md)"),
     Variable("PREFLIGHT", "1", "run trainer-doctor before training; 0 skips it"),
     Variable("TRAIN_SCRIPT", "unset", "your own script (a path, or -m and a module) when the command line names none"),
 )
@@ -198,6 +205,7 @@ class LauncherSettings:
     stop_grace: float  # seconds
     script_launch: str
     preflight: bool
+    recovery: str = "in-place"  # an elastic job's wish (RECOVERY); launch.choose_recovery says what it gets
 
     @property
     def workers_grace(self) -> int:
@@ -214,10 +222,16 @@ def read(env: Mapping[str, str], elastic: bool) -> LauncherSettings:
         raise UsageError(located(env, "SCRIPT_LAUNCH"), f"'{choice}' is not one of {', '.join(SCRIPT_LAUNCH_CHOICES)}",
                          "per-host runs a script that starts its own processes (mp.spawn) once on each host; "
                          "torchrun runs a copy per rank; auto (the default) tells them apart by the source")
+    recovery = env.get("RECOVERY", "").strip().lower() or "in-place"
+    if recovery not in RECOVERY_CHOICES:
+        raise UsageError(located(env, "RECOVERY"), f"'{recovery}' is not one of {', '.join(RECOVERY_CHOICES)}",
+                         "in-place keeps the processes when a host goes or comes (seconds per change); restart starts "
+                         "every host's workers again from the newest checkpoint")
     return LauncherSettings(
         max_restarts=env_int(env, "MAX_RESTARTS", restarts, 0),
         rdzv_timeout=env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1),
         hang_timeout=env_int(env, "HANG_TIMEOUT", DEFAULT_HANG_TIMEOUT, 0),
         stop_grace=grace_s(env, "STOP_GRACE_PERIOD"),
         script_launch=choice,
-        preflight=boolean(env, "PREFLIGHT", True, "use 1 to run trainer-doctor first or 0 to skip it"))
+        preflight=boolean(env, "PREFLIGHT", True, "use 1 to run trainer-doctor first or 0 to skip it"),
+        recovery=recovery)

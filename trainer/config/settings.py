@@ -308,6 +308,13 @@ def _convert(raw: str, kind: str, setting: str, choices: Sequence[str] | None) -
 # Set by trainer-launch for an elastic job (NNODES=MIN:MAX): the largest world size, whose global batch the run
 # keeps at every size.
 ELASTIC_WORLD_ENV = "TRAINER_ELASTIC_WORLD"
+# Set by trainer-launch for a job on in-place recovery (docs/elastic.md): the torchft lighthouse's address (the path
+# is on when it is set), the largest world (hosts x processes) whose micro-batches the run keeps at every size, this
+# host's name in the quorum and the address other hosts reach it at.
+LIGHTHOUSE_ENV = "TRAINER_LIGHTHOUSE"
+INPLACE_WORLD_ENV = "TRAINER_INPLACE_WORLD"
+REPLICA_ENV = "TRAINER_REPLICA"
+REPLICA_ADDR_ENV = "TRAINER_REPLICA_ADDR"
 
 
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:

@@ -71,3 +71,8 @@ def exit_on_usage_error(silent: bool = False):
 
 class Diverged(Exception):
     """The weights hold NaN or inf: the run stops and does not commit them (one line, exit 1)."""
+
+
+class Fenced(Exception):
+    """This host came back (from a freeze, a long pause, a cut network) after the rest of the job went on without it:
+    it writes no checkpoint and joins no collective of the newer group, and leaves (in-place recovery)."""

@@ -30,7 +30,7 @@ from trainer.core.errors import EchoedUsageError, UsageError, first_line
 from trainer.data.augment import sample_augment
 from trainer.data.images import (BadFiles, ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_key, sample_keys,
                                  seeded, take_undecoded)
-from trainer.data.sampling import batch_range, epoch_shard, sample_of
+from trainer.data.sampling import ResumableSampler, batch_range, sample_of
 from trainer.parallel.collectives import local_main_first
 from trainer.parallel.compat import private
 from trainer.parallel.context import DistContext
@@ -344,9 +344,12 @@ class Sized:
 
 
 class Batches:
-    """One rank's batches of one split, on the training device, normalised and augmented."""
+    """One rank's batches of one split, on the training device, normalised and augmented. Training batches follow
+    a ResumableSampler: the run's (run.sampler(), whose order in-place recovery changes as hosts come and go), or
+    by default this rank's shard of the process group."""
 
-    def __init__(self, data, spec: DataSpec, cfg: TrainConfig, ctx: DistContext, train: bool):
+    def __init__(self, data, spec: DataSpec, cfg: TrainConfig, ctx: DistContext, train: bool,
+                 sampler: ResumableSampler | None = None):
         self.spec, self.train, self.ctx = spec, train, ctx
         self.batch_size, self.seed = cfg.batch_size, cfg.seed
         self.reps = cfg.ra_reps if cfg.ra_sampler and train else 1
@@ -386,20 +389,25 @@ class Batches:
         std = torch.tensor(spec.std or (1.0,), device=self.device).view(1, -1, 1, 1)
         self.scale, self.shift = 1 / (255 * std), mean / std
         self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-        shard = self._shard(0)
-        self.num_batches = len(shard) // self.batch_size if train else -(-len(shard) // self.batch_size)
+        if train:
+            self.sampler = sampler or ResumableSampler(self.size, self.batch_size, ctx.rank, ctx.world_size, self.seed,
+                                                       self.reps)
+            self.num_batches = self.sampler.batches_per_epoch
+        else:  # no padding: padded duplicates would be counted twice in the metrics
+            shard = list(range(self.ctx.rank, self.size, self.ctx.world_size))
+            self.num_batches = -(-len(shard) // self.batch_size)
 
-    def _shard(self, epoch: int) -> list[int]:
-        if not self.train:  # no padding: padded duplicates would be counted twice in the metrics
-            return list(range(self.ctx.rank, self.size, self.ctx.world_size))
-        return epoch_shard(self.size, self.ctx.rank, self.ctx.world_size, self.seed, epoch, self.reps)
-
-    def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> "Sized":
-        """Batches [start_batch, stop_batch) of this rank's shard for the epoch, as (inputs, labels); len() is
-        their count (run.steps() knows the epoch's last step by it)."""
+    def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> "Sized | Epoch":
+        """Batches [start_batch, stop_batch) of this rank's part of the epoch, as (inputs, labels); len() is their
+        count (run.steps() knows the epoch's last step by it). Training batches come as an Epoch, which
+        run.steps() may iterate again from another batch (in-place recovery, after a host came or went)."""
         stop_batch = self.num_batches if stop_batch is None else stop_batch
-        indices = batch_range(self._shard(epoch), self.batch_size, start_batch, stop_batch)
         self.bad_files.start_epoch()
+        if self.train:
+            self.sampler.set_epoch(epoch, start_batch, stop_batch)
+            return Epoch(self, self.sampler)
+        indices = batch_range(list(range(self.ctx.rank, self.size, self.ctx.world_size)), self.batch_size,
+                              start_batch, stop_batch)
         return Sized(self._batches(epoch, indices), -(-len(indices) // self.batch_size))
 
     def _batches(self, epoch: int, indices: list[int]) -> Iterator:
@@ -455,6 +463,20 @@ class Batches:
         elif not self.train and cropped:
             x = center_crop(x, self.crop)
         return x.contiguous(memory_format=self.memory_format), labels
+
+
+class Epoch:
+    """One epoch's training batches in the order of a ResumableSampler, from its start batch; each iteration reads
+    the sampler anew (its epoch, start batch and shards)."""
+
+    def __init__(self, batches: Batches, sampler: ResumableSampler):
+        self.batches, self.sampler = batches, sampler
+
+    def __iter__(self) -> Iterator:
+        return self.batches._batches(self.sampler.epoch, list(self.sampler.virtual()))
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batches.batch_size
 
 
 def random_crop_flip(x: torch.Tensor, keys: torch.Tensor, size: int | None = None, padding: int = CROP_PADDING,

@@ -4,11 +4,16 @@ Both the built-in trainer (data.Batches) and hand-written loops (trainer.api) re
 resumed run of either sees exactly the batches the uninterrupted run would have seen: the epoch's
 shard is torch's DistributedSampler(shuffle=True, seed, drop_last=True) after set_epoch(epoch), and
 a resumed epoch is that shard sliced from the next unseen batch.
+
+In-place recovery (trainer/engine/inplace.py) keeps the order of the job's largest world at every size: each
+rank of that world is a *share* (its epoch_shard), and whoever is present trains the shares of whoever is not,
+as extra micro-batches of the same size (`ResumableSampler.train_shares`). Every micro-batch is then the very
+one the full world would train, whatever the membership, and a position is the same number at every size.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
@@ -42,6 +47,11 @@ def sample_of(virtual: int, size: int, reps: int, epoch: int) -> tuple[int, int]
     return virtual % size, epoch * reps + virtual // size
 
 
+def shares_of(rank: int, world_size: int, largest: int) -> list[int]:
+    """The shares of the largest world (its ranks) that `rank` trains at `world_size`: every world_size-th."""
+    return list(range(rank, largest, world_size))
+
+
 def batch_range(indices: list[int], batch_size: int, start_batch: int, stop_batch: int | None = None) -> list[int]:
     """The indices of batches [start_batch, stop_batch) of a shard."""
     stop = None if stop_batch is None else stop_batch * batch_size
@@ -54,6 +64,9 @@ class ResumableSampler(Sampler[int]):
 
     Give the DataLoader the same batch_size and drop_last=True. `set_epoch(epoch, start_batch)` before
     each epoch; a resumed epoch starts at the first batch its checkpoint had not trained on.
+    Under in-place recovery `world_size` is the job's largest and `train_shares` says which of its shards this
+    rank trains: each step, every share's micro-batches in turn (a batch number counts micro-batches of the
+    largest world: a step of grad_accum of them whatever the membership).
     """
 
     def __init__(self, size: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, reps: int = 1):
@@ -62,18 +75,44 @@ class ResumableSampler(Sampler[int]):
         self.size, self.batch_size, self.rank, self.world_size, self.seed = size, batch_size, rank, world_size, seed
         self.reps = reps  # --ra-sampler's repeats (1: none); the DataLoader gets each copy's sample index
         self.epoch = self.start_batch = 0
+        self.stop_batch: int | None = None
+        self.shares: list[int] | None = None  # in-place recovery: the shards this rank trains
+        self.accum = 1
 
     @property
     def batches_per_epoch(self) -> int:
         return (self.size // self.world_size) // self.batch_size
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
+    def set_epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> None:
+        self.epoch, self.start_batch, self.stop_batch = epoch, start_batch, stop_batch
+
+    def train_shares(self, shares: Sequence[int], accum: int) -> None:
+        """In-place recovery: from now on yield, step by step (accum micro-batches of each share), the shards
+        `shares` of the largest world, in that order."""
+        self.shares, self.accum = list(shares), accum
+
+    def _stop(self) -> int:
+        return self.batches_per_epoch if self.stop_batch is None else min(self.stop_batch, self.batches_per_epoch)
 
     def __iter__(self) -> Iterator[int]:
-        shard = epoch_shard(self.size, self.rank, self.world_size, self.seed, self.epoch, self.reps)
-        return iter(i % self.size for i in batch_range(shard, self.batch_size, self.start_batch,
-                                                       self.batches_per_epoch))
+        return iter(i % self.size for i in self.virtual())  # the DataLoader's dataset knows no copies
+
+    def virtual(self) -> Iterator[int]:
+        """The indices as epoch_shard gives them: with --ra-sampler virtual ones, each copy its own (sample_of)."""
+        if self.shares is None:
+            shard = epoch_shard(self.size, self.rank, self.world_size, self.seed, self.epoch, self.reps)
+            return iter(batch_range(shard, self.batch_size, self.start_batch, self._stop()))
+        return self._shared()
+
+    def _shared(self) -> Iterator[int]:
+        shards = {v: epoch_shard(self.size, v, self.world_size, self.seed, self.epoch, self.reps) for v in self.shares}
+        stop = self._stop() - self._stop() % self.accum  # a last partial step is dropped, as steps() drops it
+        for first in range(self.start_batch, stop, self.accum):
+            for v in self.shares:
+                yield from batch_range(shards[v], self.batch_size, first, first + self.accum)
 
     def __len__(self) -> int:
-        return (self.batches_per_epoch - self.start_batch) * self.batch_size
+        steps = max(0, self._stop() - self.start_batch)
+        if self.shares is None:
+            return steps * self.batch_size
+        return (steps // self.accum) * self.accum * len(self.shares) * self.batch_size

@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_worker(argv: list[str] | None) -> int:
     started = time.perf_counter()
+    from trainer.engine import inplace
+
     with exit_on_usage_error():
-        cfg = load_config(argv, os.environ, resolve(os.environ, WORKER).world_size)
+        # In-place recovery: the settings of the job's largest world, whose micro-batches every membership trains.
+        cfg = load_config(argv, os.environ, inplace.largest_world(os.environ) or resolve(os.environ, WORKER).world_size)
     from trainer.engine.run import Run
 
     with Run(config=cfg, started=started) as run:
@@ -56,7 +59,8 @@ def train(run) -> int:
             check_same_workload(cfg, found.config, found.door, found.path)
 
     train_data, val_data, spec = run.all_or_none(lambda: build_datasets(cfg, run.ctx))
-    train_batches = Batches(train_data, spec, cfg, run.ctx, train=True)
+    train_batches = Batches(train_data, spec, cfg, run.ctx, train=True, sampler=run.sampler(len(train_data),
+                                                                                           cfg.batch_size))
     val_batches = Batches(val_data, spec, cfg, run.ctx, train=False) if val_data is not None and cfg.val_every \
         else None
     if cfg.dataset in ("imagefolder", "packed"):  # image files, read one by one: some may not decode

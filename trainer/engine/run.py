@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
@@ -36,11 +37,13 @@ from trainer.checkpoint.store import CheckpointError
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
 from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, check_gpu_options, flag_name, script_settings
-from trainer.core.errors import Diverged, UsageError, exit_on_usage_error, print_error
+from trainer.core.errors import Diverged, Fenced, UsageError, exit_on_usage_error, print_error
 from trainer.data.augment import MixUpCutMix, mix_key
 from trainer.data.sampling import ResumableSampler
 from trainer.engine import ema as model_ema
+from trainer.engine import inplace
 from trainer.engine.ema import ModelEma
+from trainer.engine.microbatches import Counted
 from trainer.parallel import collectives
 from trainer.parallel.collectives import MainRankFailed
 from trainer.parallel.compat import private
@@ -51,7 +54,8 @@ from trainer.observe.metrics import setup_logging
 from trainer.observe.observers import Observers
 
 log = logging.getLogger("trainer")
-RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed)  # one line and exit 1: the run's own failures
+# One line and exit 1: the run's own failures.
+RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed, Fenced, inplace.QuorumFailed)
 
 
 class Run:
@@ -67,11 +71,13 @@ class Run:
         self.door = BUILT_IN if config is not None else SCRIPT
         with exit_on_usage_error():
             topology = resolve(os.environ, WORKER)
+        # In-place recovery: the settings are those of the job's largest world, whose micro-batches it keeps.
+        largest = inplace.largest_world(os.environ)
         # The same settings on every process of a host: its first process says what is wrong, once.
         with exit_on_usage_error(silent=topology.local_rank != 0):
             if config is None:
                 config = script_settings({"checkpoint_dir": checkpoint_dir, "log_dir": log_dir, **settings},
-                                         os.environ, topology.world_size)
+                                         os.environ, largest or topology.world_size)
         self.ctx = self._join(topology, config, self._label("collective_timeout"))
         try:
             if self.door == BUILT_IN or not logging.getLogger().handlers:  # a script's own logging setup stays
@@ -87,6 +93,8 @@ class Run:
                                                  self.settings.keep_checkpoints, self.settings.checkpoint_every,
                                                  self.settings.resume, self.settings.strategy == "fsdp", self.door,
                                                  labels, self.settings.checkpoint_async)
+            with exit_on_usage_error(silent=not self.ctx.is_local_main):
+                self._inplace = self._join_replicas() if largest is not None else None
         except BaseException:
             teardown(self.ctx)
             raise
@@ -116,6 +124,9 @@ class Run:
         self._mixer: MixUpCutMix | None = None
         self._mixed = 0         # run.mixup_cutmix() calls in this step: each micro-batch's own draw
         self._clipped = False   # run.clip_gradients() was called in this step
+        self._step_committed: bool | None = None  # in-place recovery: this step's gradients summed and committed
+        if self._inplace is not None:
+            self.observers.writes = self._inplace.writes
 
     # ------------------------------------------------------------------ joining
     def _label(self, name: str) -> str:
@@ -137,6 +148,28 @@ class Run:
             print_error(message)
             raise SystemExit(1) from None
 
+    def _join_replicas(self) -> "inplace.InPlace":
+        """In-place recovery (trainer-launch chose it): this host's group joins the others through the lighthouse."""
+        cfg = self.settings
+        if cfg.strategy == "fsdp" or cfg.local_sgd_period:
+            what = "strategy fsdp shards the model" if cfg.strategy == "fsdp" else \
+                "local_sgd_period averages the models now and then"
+            raise UsageError(self._label("strategy" if cfg.strategy == "fsdp" else "local_sgd_period"),
+                             f"{what}, and in-place recovery replicates whole models, summing gradients every step",
+                             "set RECOVERY=restart for this job (trainer-launch then restarts the workers on a change)")
+        replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
+                                   self._replica_state, self._from_replica)
+        self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
+        self.checkpointer.shared_claim = True
+        return replicas
+
+    def _replica_state(self) -> dict:
+        """What a host behind gets from this one: the checkpoint dict at the current position."""
+        return self.checkpointer.state_at(self.position, self._samples_per_batch(), self.settings.as_dict())
+
+    def _from_replica(self, state: dict) -> None:
+        self.position = self.checkpointer.put_back(state, Path("a live peer's state"))
+
     def _for_this_device(self, config: TrainConfig) -> TrainConfig:
         """amp as this device runs it, decided once (the optimizer and the checkpoint follow it)."""
         import torch
@@ -155,11 +188,12 @@ class Run:
         return config
 
     # ------------------------------------------------------------------ who does what
-    rank = property(lambda self: self.ctx.rank)
+    # In-place recovery: the job's ranks as of the latest quorum (before the first, this host's).
+    rank = property(lambda self: self.ctx.rank if self._inplace is None else self._inplace.rank)
     local_rank = property(lambda self: self.ctx.topology.local_rank)
-    world_size = property(lambda self: self.ctx.world_size)
+    world_size = property(lambda self: self.ctx.world_size if self._inplace is None else self._inplace.world_size)
     device = property(lambda self: self.ctx.device)
-    is_main = property(lambda self: self.ctx.is_main)
+    is_main = property(lambda self: self.ctx.is_main and (self._inplace is None or self._inplace.writes()))
     is_local_main = property(lambda self: self.ctx.is_local_main)
     distributed = property(lambda self: self.ctx.distributed)
     step_count = property(lambda self: self.position.step)
@@ -238,6 +272,10 @@ class Run:
     def optimizer_step(self, optimizer, scheduler=None) -> None:
         """The optimizer step (through fp16's loss scaler; the gradients clipped first with clip_grad_norm),
         gradients cleared, the LR schedule advanced."""
+        if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: it is taken again
+            optimizer.zero_grad(set_to_none=True)
+            self._clipped = False
+            return
         if self.settings.clip_grad_norm and not self._clipped:
             self.clip_gradients(optimizer)
         self._clipped = False
@@ -249,14 +287,27 @@ class Run:
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
 
+    def _commit_in_place(self, optimizer) -> bool:
+        """In-place recovery: the step's gradients summed over the hosts, once per step and before any clipping (the
+        norm is the whole job's, as under one DistributedDataParallel); False: the step is abandoned."""
+        if self._step_committed is None:
+            params = self._model.parameters() if self._model is not None else \
+                [p for group in optimizer.param_groups for p in group["params"]]
+            self._step_committed = self._inplace.commit(params)
+        return self._step_committed
+
     def clip_gradients(self, optimizer, max_norm: float | None = None):
         """Clip the gradients' total L2 norm to max_norm (default: the clip_grad_norm setting), as nanoGPT does:
         fp16's loss scale taken out first (the scaler's unscale_), then torch.nn.utils.clip_grad_norm_ over the
         optimizer's parameters (under fsdp the norm over every shard). The norm before clipping is returned (on the
         device) and logged as Grad/norm with the loss. run.optimizer_step() calls it when clip_grad_norm is set;
         call it yourself before your own optimizer.step()."""
+        import torch
+
         from trainer.engine.optim import clip_gradients
 
+        if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: nothing to clip
+            return torch.zeros((), device=self.device)
         self.scaler.unscale_(optimizer)
         norm = clip_gradients(optimizer, max_norm if max_norm is not None else self.settings.clip_grad_norm)
         self.observers.record_grad_norm(norm)
@@ -292,11 +343,13 @@ class Run:
         """This rank's shard of each epoch, in the built-in loop's order, from the next unseen batch on a resume;
         give DataLoader the same batch_size and drop_last=True."""
         size = dataset_or_size if isinstance(dataset_or_size, int) else len(dataset_or_size)
+        # In-place recovery: the shards of the largest world; which of them this rank trains follows the quorum.
+        rank, world = (self.rank, self.world_size) if self._inplace is None else (0, self._inplace.largest)
         with exit_on_usage_error():
-            if size // self.world_size < batch_size:
-                raise UsageError("batch_size", f"{size} samples over {self.world_size} processes make no batch of "
+            if size // world < batch_size:
+                raise UsageError("batch_size", f"{size} samples over {world} processes make no batch of "
                                  f"{batch_size}", "use a smaller batch_size or more data")
-        self._sampler = ResumableSampler(size, batch_size, self.rank, self.world_size,
+        self._sampler = ResumableSampler(size, batch_size, rank, world,
                                          self.settings.seed if seed is None else seed,
                                          self.settings.ra_reps if self.settings.ra_sampler else 1)
         self._batch_size = batch_size
@@ -367,6 +420,8 @@ class Run:
             self._resize_position()
             self._say_changed_settings(point)
         self.observers.start(self.position.step, resumed=position is not None)
+        if self._inplace is not None:
+            self._inplace.set_step(self.position.step)
         if self._local_sgd is not None:
             self._local_sgd.optimizer = self._optimizers[0] if self._optimizers else None
             self._local_sgd.step = self.position.step
@@ -451,8 +506,9 @@ class Run:
                 self._local_sgd.step = self.position.step
 
     def _samples_per_batch(self) -> int:
-        """One micro-batch over all ranks (a checkpoint's position is in micro-batches: this converts it)."""
-        return (self._batch_size or 1) * self.world_size
+        """One micro-batch over all ranks (a checkpoint's position is in micro-batches: this converts it); under
+        in-place recovery, over the largest world's, whatever the membership."""
+        return (self._batch_size or 1) * (self.world_size if self._inplace is None else self._inplace.largest)
 
     def save(self, background: bool = False) -> None:
         """Commit a checkpoint now (every rank calls it); background: with --checkpoint-async, written while
@@ -470,18 +526,17 @@ class Run:
             self._epochs = count
         self._start("run.epochs()")
         count = self._epochs if self._epochs is not None else self.settings.epochs
-        for epoch in range(self.position.epoch, count):
+        while self.position.epoch < count:  # the position's: under in-place recovery a peer's state may move it on
             if self._ended:
                 return
-            start = self.position.batch if epoch == self.position.epoch else 0
-            self.position = Position(epoch, start, self.position.step)
+            epoch = self.position.epoch
             if self._sampler is not None:
-                self._sampler.set_epoch(epoch, start)
+                self._sampler.set_epoch(epoch, self.position.batch)
             self._epoch_start = time.perf_counter()
             yield epoch
             if self.stopped or self.ended_mid_epoch:
                 return
-            self.position = Position(epoch + 1, 0, self.position.step)
+            self.position = Position(self.position.epoch + 1, 0, self.position.step)
             self.observers.log(self.position.step, {"time/epoch_s": time.perf_counter() - self._epoch_start})
             if self.checkpointer.last_requested != self.position.step:  # else that checkpoint says the same
                 self.save()
@@ -492,6 +547,9 @@ class Run:
         at its cadence; a stop (SIGTERM, Ctrl-C, on any rank) or the last step ends the iteration on every rank
         at the same step, with a checkpoint committed."""
         self._start("run.steps()")
+        if self._inplace is not None:
+            yield from inplace.steps(self, batches)
+            return
         accum = self.settings.grad_accum
         length = len(batches) if hasattr(batches, "__len__") else None
         per_epoch = length // accum if length is not None else None  # a last partial step is dropped
@@ -506,7 +564,7 @@ class Run:
                 group = [first, *(batch for _, batch in zip(range(accum - 1), source))]
                 if len(group) < accum:
                     return
-            counted = _Counted(first, iter(group[1:]) if group is not None else source, accum, self.no_sync)
+            counted = Counted(first, iter(group[1:]) if group is not None else source, accum, self.no_sync)
             yield iter(counted)
             done += 1
             if self._after_step(counted.micro, counted.samples, epoch_done=per_epoch is not None and
@@ -519,6 +577,11 @@ class Run:
         the checkpoint cadence; True once a stop was requested on any rank (every rank returns True at the same
         step, after a commit), or max_steps is reached before the epoch's end: leave the loop."""
         self._start("run.step()")
+        if self._inplace is not None:
+            with self._once():
+                raise UsageError("run.step()", "in-place recovery takes an abandoned step again, which needs the step "
+                                 "boundary of run.steps() and run.optimizer_step()", "train through run.steps(loader) "
+                                 "and run.optimizer_step(optimizer), or set RECOVERY=restart for this job")
         accum = self.settings.grad_accum
         samples = (self._batch_size or 0) * accum
         # With the run's sampler the epoch's end is known: its last step ends the loop over the loader by itself.
@@ -539,7 +602,8 @@ class Run:
         if self._local_sgd is not None:
             self._local_sgd.after_step(step)
         lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
-        self.observers.after_step(step, pos.epoch, samples * self.world_size, last, lr, scalars, self._check_weights)
+        total = samples * self.world_size if self._inplace is None else samples  # in place: the step's, given
+        self.observers.after_step(step, pos.epoch, total, last, lr, scalars, self._check_weights)
         stopping = self._supervised.vote.vote(self._supervised.requested)
         if stopping or (not epoch_done and (last or self.checkpointer.due(step))):
             self.save(background=not (stopping or last))
@@ -600,8 +664,10 @@ class Run:
         names = self._workload_names()
         steps = "" if self.total_steps is None else f", {self.total_steps} steps" + (
             f", {self._steps_per_epoch} per epoch" if self._steps_per_epoch is not None else "")
-        log.info("training %s on %s: world size %d (%s, %s), strategy %s%s", names[0], names[1] or "the script's data",
-                 self.world_size, self.ctx.backend, self.device, self.settings.strategy, steps)
+        world = str(self.world_size) if self._inplace is None else \
+            f"up to {self._inplace.largest} (in place: each step's quorum decides)"
+        log.info("training %s on %s: world size %s (%s, %s), strategy %s%s", names[0], names[1] or "the script's data",
+                 world, self.ctx.backend, self.device, self.settings.strategy, steps)
         largest = os.environ.get(ELASTIC_WORLD_ENV, "")
         if largest.isdigit() and self.settings.global_batch_size:
             log.info("elastic: world size %d of at most %s; %d samples per process per micro-batch keep the job's "
@@ -641,6 +707,8 @@ class Run:
             if self.checkpointer.last_requested != self.position.step:
                 self.save()
             self.checkpointer.wait()  # the last one committed before the summary says so
+            if self._inplace is not None and not self.stopped and self._ended:
+                self._inplace_last_commit()
         self._supervised.close()
         self.observers.close()
         if self._training and self.resumed_from is not None and self.position.step == self.resumed_from \
@@ -653,6 +721,7 @@ class Run:
             summary = self.observers.summary(status, self.position.step, self.position.epoch,
                                              self.observers.throughput.samples_per_step, self.resumed_from,
                                              *self._workload_names())
+            summary["world_size"] = self.world_size  # in place: the job's at its end
             code = 0 if self.observers.write_summary(summary) else 1
         left = self._supervised.leave(self.stopped, self.position.step,
                                       self.checkpointer.last_committed == self.position.step)
@@ -661,8 +730,21 @@ class Run:
         self._finished = code
         return code
 
+    def _inplace_last_commit(self) -> None:
+        """The end of an in-place job, on every host together: the first host committed the last checkpoint; the
+        others leave once it says so, and write it themselves if it cannot (it was lost meanwhile)."""
+        wrote = self._inplace.writes() and self.checkpointer.last_committed == self.position.step
+        if not self._inplace.confirm(wrote):
+            log.warning("in place: the host that writes the checkpoints did not confirm step %d: this host writes it",
+                        self.position.step)
+            self._inplace.take_over()
+            self.save()
+            self.checkpointer.wait()
+
     def _close(self) -> None:
         self.checkpointer.close()
+        if self._inplace is not None:
+            self._inplace.close()
         teardown(self.ctx)
 
     def __enter__(self) -> "Run":
@@ -697,32 +779,6 @@ class Run:
                 print_error(line)
             raise SystemExit(1) from None
         return False  # the script's own error: its traceback, then the launcher's line naming the rank
-
-
-class _Counted:
-    """One optimizer step's micro-batches: the first (already fetched) and up to accum - 1 more from `source`, each
-    inside the strategy's no-sync context but the last; counts the micro-batches and this rank's samples."""
-
-    def __init__(self, first, source: Iterator, accum: int, no_sync: Callable):
-        self.first, self.source, self.accum, self.no_sync = first, source, accum, no_sync
-        self.micro = self.samples = 0
-
-    def __iter__(self):
-        batch = self.first
-        for index in range(self.accum):
-            if index:
-                batch = next(self.source, None)
-                if batch is None:
-                    return
-            self.micro += 1
-            self.samples += _batch_len(batch)
-            with self.no_sync(index == self.accum - 1):
-                yield batch
-
-
-def _batch_len(batch) -> int:
-    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-    return len(first) if hasattr(first, "__len__") else 0
 
 
 def check_same_software(ctx: DistContext) -> None:

@@ -51,6 +51,9 @@ class Observers:
         self.start_step, self.resumed = 0, False
         self.bad_files: list = []  # trainer.data.images.BadFiles of the run's splits; the first one's bound counts
         self.bad_this_epoch = 0    # its epoch's count over every rank, as of the last log step
+        # In-place recovery: every host's first process observes, and the first host of the generation writes the
+        # scalars and summary.json (which host that is may change with every membership).
+        self.writes: Callable[[], bool] = lambda: True
 
     # ---------------------------------------------------------------- set-up, once the run's pieces are known
     def start(self, start_step: int, resumed: bool) -> None:
@@ -146,7 +149,8 @@ class Observers:
         """Scalars to every tracker (rank 0) at `step`; validation metrics are kept for summary.json."""
         values = {tag: float(value) for tag, value in values.items()}
         self.validation.update({tag: value for tag, value in values.items() if tag in VALIDATION})
-        self._open().add(step, **values)
+        if self.writes():
+            self._open().add(step, **values)
 
     def paused(self):
         """Time outside training (validation, checkpoints): not counted in samples/s."""
@@ -189,7 +193,7 @@ class Observers:
 
     def write_summary(self, summary: dict[str, Any]) -> bool:
         """summary.json in the log directory (rank 0); False, with one line, if it cannot be written."""
-        if not self.ctx.is_main:
+        if not self.ctx.is_main or not self.writes():
             return True
         path = Path(self.settings.log_dir) / "summary.json"
         try:

@@ -91,9 +91,12 @@ class Strategy:
     """--strategy ddp, and the interface fsdp shares: wrap the model, skip gradient sync between
     accumulated micro-batches, compile."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, blocks: list[nn.Module]):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, blocks: list[nn.Module], replicate: bool | None = None):
         self.cfg, self.ctx, self.blocks = cfg, ctx, blocks
         self.wrapped: nn.Module | None = None
+        # DistributedDataParallel over the process group. In-place recovery replicates across hosts itself
+        # (trainer/engine/inplace.py): a host of one process has nothing for DDP to do.
+        self.replicate = ctx.distributed if replicate is None else replicate
 
     def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format,
              **ddp_options) -> nn.Module:
@@ -104,7 +107,7 @@ class Strategy:
         model.to(self.ctx.device, memory_format=memory_format)
         self._checkpoint_activations()
         self.wrapped = model
-        if self.ctx.distributed:
+        if self.replicate:
             cuda = self.ctx.device.type == "cuda"
             self.wrapped = DDP(model, device_ids=[self.ctx.device.index] if cuda else None,
                                **{"gradient_as_bucket_view": True, **ddp_options})
@@ -129,7 +132,7 @@ class Strategy:
 
     def no_sync(self, boundary: bool) -> ContextManager:
         """Around a micro-batch's forward and backward: no gradient exchange unless it ends a step."""
-        if self.ctx.distributed and not boundary:
+        if self.replicate and not boundary:
             return self.wrapped.no_sync()
         return contextlib.nullcontext()
 
@@ -255,8 +258,8 @@ def _accumulating(model, boundary: bool) -> Iterator[None]:
         model.set_reshard_after_backward(True)
 
 
-def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module) -> Strategy:
-    """The run's strategy, its model checked before anything is written."""
+def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module, replicate: bool | None = None) -> Strategy:
+    """The run's strategy, its model checked before anything is written (replicate: see Strategy)."""
     blocks = find_blocks(model) if cfg.strategy == "fsdp" or cfg.activation_checkpointing else []
     if not blocks:
         if cfg.strategy == "fsdp":
@@ -266,7 +269,7 @@ def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module) -> Strategy:
         if cfg.activation_checkpointing:
             raise UsageError("--activation-checkpointing", f"finds no blocks in {cfg.model} to recompute",
                              "give the model an fsdp_blocks() method returning its blocks, or drop the setting")
-    return (FSDPStrategy if cfg.strategy == "fsdp" else Strategy)(cfg, ctx, blocks)
+    return (FSDPStrategy if cfg.strategy == "fsdp" else Strategy)(cfg, ctx, blocks, replicate)
 
 
 def evaluation_batches(model: nn.Module, batches: Iterable, count: int, ctx: DistContext) -> Iterator:

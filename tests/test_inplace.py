@@ -1,0 +1,397 @@
+"""In-place recovery (docs/elastic.md; docs/reliability.md's in-place rows): a lost host's peers go on in their own
+processes within seconds, a returning host gets the state from a live peer, and a host that comes back after the job
+went on without it is fenced.
+
+Real launchers (trainer-launch with NNODES=MIN:MAX, whose RECOVERY is in-place by default), torchft's real lighthouse
+and Managers, real gloo groups: hosts in network namespaces joined by a veth pair (tests/netns.py), sharing a
+checkpoint directory (as hosts share a network file system); tests/user_code/inplace_loop.py, a trainer.api script on
+run.steps(), logs what each step trained. The order every step must train is computed here from torch's
+DistributedSampler: the shares of the largest world, whoever trains them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from fault_helpers import Launch, children, descendants, running, wait_until
+from helpers import REPO, free_port, read_summary
+from netns import MASTER_ADDR, Host
+
+USER_CODE = REPO / "tests" / "user_code"
+RUN_BOUND_S = 300  # a bound on a hang on a loaded 2-core machine, not a speed goal
+SAMPLES, SHARE_BATCH, SEED = 6400, 16, 0
+GENERATION = re.compile(r"in place: generation (\d+), world size (\d+) of at most (\d+)")
+
+pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("torchft") is None,
+                                reason="torchft (the inplace extra) is not installed")
+
+
+def inplace_env(port: int, where: Host, hosts: str = "1:2", **extra: str) -> dict[str, str]:
+    # The same settings on every host (but the interface's name): in-place is RECOVERY's default.
+    return {"PREFLIGHT": "0", "NNODES": hosts, "NPROC_PER_NODE": "1", "MASTER_ADDR": MASTER_ADDR,
+            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": where.veth, "TRAIN_BATCH_SIZE": str(SHARE_BATCH),
+            "TRAIN_COLLECTIVE_TIMEOUT": "10", **extra}
+
+
+def host(out: Path, port: int, name: str, where: Host, *args: str, samples: int = SAMPLES, hosts: str = "1:2",
+         **env: str) -> Launch:
+    return Launch([str(USER_CODE / "inplace_loop.py"), "--out", str(out), "--samples", str(samples),
+                   "--step-seconds", "0.1", *args], out, inplace_env(port, where, hosts, **env), name=name,
+                  prefix=where.prefix)
+
+
+def generations(output: str) -> list[tuple[int, int]]:
+    """(generation, world size) of every membership this host trained in, in order."""
+    return [(int(m.group(1)), int(m.group(2))) for m in GENERATION.finditer(output)]
+
+
+def shares_order(samples: int, largest: int, epoch: int = 0) -> list[list[int]]:
+    """Each share's (a rank of the largest world's) samples of an epoch, in training order: torch's own sampler."""
+    out = []
+    for share in range(largest):
+        sampler = torch.utils.data.DistributedSampler(range(samples), num_replicas=largest, rank=share, shuffle=True,
+                                                      seed=SEED, drop_last=True)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+def seen(out: Path) -> dict[int, dict[int, list[tuple[int, list[int]]]]]:
+    """{pid: {step: [(world size, indices)]}} from every worker's seen-<pid>.txt (committed steps only)."""
+    found: dict[int, dict] = {}
+    for log in out.glob("seen-*.txt"):
+        steps = defaultdict(list)
+        for line in log.read_text().splitlines():
+            world, step, *indices = map(int, line.split())
+            steps[step].append((world, indices))
+        found[int(log.stem.split("-")[1])] = steps
+    return found
+
+
+def check_the_order(out: Path, survivor: int, steps: int, largest: int = 2, samples: int = SAMPLES,
+                    epochs: int = 1, losses: int = 1) -> None:
+    """Every step of the run was trained, once: each line of each host is one or more share micro-batches of that
+    step (the shares of the largest world, in torch's sampler order), no sample twice in a step, and a step's lines
+    from as many ranks as its world size hold all of its samples. The survivor trained every step from the one it
+    joined at to the end. A host lost just after a commit may have had no time to write its line: at most `losses`
+    steps lack one (test 1's equal weights show that nothing was missing from the training)."""
+    per_epoch = samples // largest // SHARE_BATCH
+    orders = {e: shares_order(samples, largest, e) for e in range(epochs)}
+    records = seen(out)
+    mine = sorted(records[survivor])
+    assert mine == list(range(mine[0], steps + 1)), (mine[:5], len(mine))
+    lines: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
+    for pid, steps_of in records.items():
+        for step, attempts in steps_of.items():
+            assert len(attempts) == 1, (pid, step, attempts)  # a step is written once: when it committed
+            lines[step] += attempts
+    assert sorted(lines) == list(range(1, steps + 1)), sorted(set(range(1, steps + 1)) - set(lines))
+    incomplete = []
+    for step, found in lines.items():
+        epoch, index = divmod(step - 1, per_epoch)
+        batches = [order[index * SHARE_BATCH:(index + 1) * SHARE_BATCH] for order in orders[epoch]]
+        trained = []
+        for world, indices in found:
+            chunks = [indices[i:i + SHARE_BATCH] for i in range(0, len(indices), SHARE_BATCH)]
+            assert chunks and all(chunk in batches for chunk in chunks), (step, world)
+            trained += indices
+        assert len(trained) == len(set(trained)), (step, "a sample trained twice")
+        world = found[0][0]
+        if len(found) == world:
+            assert sorted(trained) == sorted(i for b in batches for i in b), step
+        else:
+            incomplete.append(step)
+    assert len(incomplete) <= losses, incomplete
+
+
+def the_writer(*hosts: Launch) -> tuple[Launch, Launch] | None:
+    """Once both hosts train together: (the one that writes the checkpoints, the other): the first replica of the
+    generation (each host's newest generation line says which replica it is)."""
+    newest = [GENERATION.findall(h.output())[-1:] for h in hosts]
+    if not all(n and n[0][1] == "2" for n in newest):
+        return None
+    lines = [h.output().rsplit("in place: generation", 1)[1] for h in hosts]
+    first = next((h for h, line in zip(hosts, lines) if "this host is replica 0 " in line.split("\n")[0]), None)
+    return None if first is None else (first, next(h for h in hosts if h is not first))
+
+
+def newest_checkpoint(directory: Path) -> dict:
+    newest = max(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return torch.load(newest, map_location="cpu", weights_only=True)
+
+
+def workers(launch: Launch) -> list[int]:
+    """The launcher's worker processes running the script now (the agent's children)."""
+    found = []
+    for pid in children(launch.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"inplace_loop.py" in argv and running(pid):
+            found.append(pid)
+    return found
+
+
+def worker_pid(launch: Launch) -> int:
+    (pid,) = wait_until(lambda: workers(launch), 60, f"the worker of {launch.log_path.name}")
+    return pid
+
+
+def loader_pids(out: Path, worker: int) -> set[int]:
+    return {int(p.name.split("-")[2]) for p in out.glob(f"loader-{worker}-*")}
+
+
+@pytest.mark.slow
+def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_place(hosts, tmp_path, launches):
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0])  # at MASTER_ADDR: the lighthouse runs beside its launcher
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1])
+    launches.append(second)
+    checkpoints = tmp_path / "checkpoints"
+    wait_until(lambda: (2 in [w for _, w in generations(first.output())]) and any(checkpoints.glob("step-*.pt")),
+               RUN_BOUND_S, f"both hosts training, a checkpoint\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    assert "recovery: in place: " in first.output()
+    survivor = worker_pid(first)
+    loaders = wait_until(lambda: loader_pids(tmp_path, survivor), 30, "the survivor's DataLoader worker")
+    lost = list(second.workers().values())
+    os.kill(second.pid, signal.SIGKILL)  # the host is gone: its launcher, and with it its workers
+    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
+    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
+                                 r"size 1", first.output()), RUN_BOUND_S,
+               f"the survivor to go on alone\n{first.output()[-3000:]}")
+    back = host(tmp_path, port, "hostB-back", hosts[1])
+    launches.append(back)
+    wait_until(lambda: generations(first.output())[-1][1] == 2 and len(generations(first.output())) >= 3,
+               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+    # The survivor's worker and its DataLoader worker are the ones it started with.
+    assert workers(first) == [survivor] and all(running(p) for p in loaders)
+    assert loader_pids(tmp_path, survivor) == loaders
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert back.wait(RUN_BOUND_S) == 0, back.output()[-4000:]
+    output = first.output()
+    sizes = [w for _, w in generations(output)]  # it may have trained alone until the other host came in
+    assert sizes[sizes.index(2):][:3] == [2, 1, 2], generations(output)
+    assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    steps = SAMPLES // 2 // SHARE_BATCH
+    check_the_order(tmp_path, survivor, steps)
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+    trained = newest_checkpoint(checkpoints)
+    assert trained["global_step"] == steps and not list(checkpoints.glob(".tmp-*"))
+
+    # The same job without faults on the restart path, two processes under DistributedDataParallel, trains the very
+    # same micro-batches (in place, the shares of the lost host were trained by the survivor): the same weights and
+    # optimizer state, to the bit.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    reference = Launch([str(USER_CODE / "inplace_loop.py"), "--out", str(alone), "--samples", str(SAMPLES)], alone,
+                       {"PREFLIGHT": "0", "NPROC_PER_NODE": "2", "TRAIN_BATCH_SIZE": str(SHARE_BATCH)}, name="ddp")
+    launches.append(reference)
+    assert reference.wait(RUN_BOUND_S) == 0, reference.output()[-3000:]
+    expected = newest_checkpoint(alone / "checkpoints")
+    for name, tensor in expected["model"].items():
+        assert torch.equal(trained["model"][name], tensor), name
+    for key, state in expected["optimizer"]["state"].items():
+        assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+
+
+@pytest.mark.slow
+def test_a_host_lost_while_it_writes_a_checkpoint_leaves_the_older_ones_and_the_others_go_on(hosts, tmp_path,
+                                                                                                 launches):
+    """The first host writes the job's checkpoints. Killed mid-write (its temp file there), it commits nothing; the
+    other host goes on alone, writes from then on, and its rotation removes the lost host's temp file."""
+    port = free_port()
+    ballast = ("--ballast-mb", "60")  # a write that takes long enough to be caught in it
+    lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)  # as compose's service: not the writer's
+    first = host(tmp_path, port, "hostA", hosts[0], *ballast)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *ballast)
+    launches.append(second)
+    checkpoints = tmp_path / "checkpoints"
+    writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+                               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    survivor, frozen = worker_pid(other), worker_pid(writer)
+    writing = wait_until(lambda: list(checkpoints.glob(f".tmp-step-*.{frozen}")), RUN_BOUND_S,
+                         "a checkpoint being written")
+    os.kill(writer.pid, signal.SIGKILL)  # its workers die with it, mid-write
+    assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
+    lighthouse.kill()
+    lighthouse.wait()
+    assert [w for _, w in generations(other.output())][-1] == 1, generations(other.output())
+    assert writing[0].name not in [p.name for p in checkpoints.iterdir()]  # removed by the next writer's rotation
+    assert not list(checkpoints.glob(".tmp-*")), list(checkpoints.iterdir())
+    check_the_order(tmp_path, survivor, SAMPLES // 2 // SHARE_BATCH)
+    assert newest_checkpoint(checkpoints)["global_step"] == SAMPLES // 2 // SHARE_BATCH
+
+
+@pytest.mark.slow
+def test_a_host_lost_during_validation_costs_the_other_nothing_there(hosts, tmp_path, launches):
+    """Each host validates the whole set on its own (no collective across the hosts): the survivor finishes its
+    validation, then regroups at its next step."""
+    port, samples = free_port(), 1280
+    args = ("--epochs", "2", "--validate", "4")
+    first = host(tmp_path, port, "hostA", hosts[0], *args, samples=samples)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *args, samples=samples)
+    launches.append(second)
+    survivor = worker_pid(first)
+    wait_until(lambda: "validating after epoch 0" in second.output(), RUN_BOUND_S,
+               f"the first validation\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    os.kill(second.pid, signal.SIGKILL)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    output = first.output()
+    assert output.count("validated: {'Loss/val'") == 2, output[-4000:]
+    assert [w for _, w in generations(output)][-1] == 1, generations(output)
+    check_the_order(tmp_path, survivor, 2 * samples // 2 // SHARE_BATCH, samples=samples, epochs=2)
+
+
+@pytest.mark.slow
+def test_a_second_host_lost_while_the_others_regroup_for_the_first(hosts, tmp_path, launches):
+    """Three hosts (two in the second namespace); one is lost, and another while the rest agree on the new
+    membership: the last one goes on alone."""
+    port, samples = free_port(), 2880  # three shares of 16: 60 steps
+    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, hosts="1:3")
+    launches.append(first)
+    time.sleep(2)
+    others = [host(tmp_path, port, f"host{n}", hosts[1], samples=samples, hosts="1:3") for n in "BC"]
+    launches.extend(others)
+    wait_until(lambda: 3 in [w for _, w in generations(first.output())], RUN_BOUND_S,
+               f"three hosts training\n{first.output()[-3000:]}")
+    survivor = worker_pid(first)
+    os.kill(others[1].pid, signal.SIGKILL)
+    wait_until(lambda: "abandoned" in first.output(), 60, f"the loss noticed\n{first.output()[-3000:]}")
+    time.sleep(0.5)  # within the lighthouse's heartbeat timeout (2 s): the others are still agreeing
+    os.kill(others[0].pid, signal.SIGKILL)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    output = first.output()
+    assert [w for _, w in generations(output)][-1] == 1, generations(output)
+    check_the_order(tmp_path, survivor, samples // 3 // SHARE_BATCH, largest=3, samples=samples, losses=2)
+
+
+@pytest.mark.slow
+def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tmp_path, launches):
+    """SIGSTOP the host that writes the checkpoints, in the middle of a write; the other goes on alone after the
+    collective timeout. SIGCONT: the frozen host finds a newer generation before committing, leaves with one line,
+    having written nothing; its launcher starts it again and it rejoins in place."""
+    port = free_port()
+    ballast = ("--ballast-mb", "60")
+    first = host(tmp_path, port, "hostA", hosts[0], *ballast)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *ballast)
+    launches.append(second)
+    checkpoints = tmp_path / "checkpoints"
+    writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+                               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    frozen = worker_pid(writer)
+    writing = wait_until(lambda: list(checkpoints.glob(f".tmp-step-*.{frozen}")), RUN_BOUND_S, "a write under way")
+    step = int(writing[0].name.split("-")[2].split(".")[0])
+    stopped = [frozen, *descendants(frozen)]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: generations(other.output())[-1][1] == 1, RUN_BOUND_S,
+                   f"the other host alone\n{other.output()[-3000:]}")
+        wait_until(lambda: (checkpoints / ".generation").is_file(), 30, "the newer generation written")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
+    assert writer.wait(RUN_BOUND_S) == 0, writer.output()[-4000:]
+    lines = [line for line in writer.output().splitlines() if line.startswith("error: in place: this host came back")]
+    assert len(lines) == 1 and "noticed before committing a checkpoint" in lines[0], writer.output()[-4000:]
+    assert not (checkpoints / f"step-{step:08d}.pt").exists()  # the frozen write was never committed
+    assert not list(checkpoints.glob(".tmp-*"))
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def dry_run(env: dict[str, str], *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    from helpers import clean_env
+
+    full = clean_env({"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **env})
+    if pythonpath is not None:
+        full["PYTHONPATH"] = f"{pythonpath}:{full.get('PYTHONPATH', '')}"
+    return subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", *args], env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def recovery_of(done: subprocess.CompletedProcess) -> tuple[str, str]:
+    import json
+
+    facts = json.loads(done.stdout)
+    return facts["recovery"], facts["recovery_line"]
+
+
+def test_in_place_asked_for_a_plain_script_or_fsdp_takes_the_restart_path_and_says_why(tmp_path):
+    path, line = recovery_of(dry_run({}, str(USER_CODE / "elastic_loop.py"), "--out", str(tmp_path)))
+    assert path == "restart" and "elastic_loop.py does not train through trainer.api's run.steps() and " \
+        "run.optimizer_step()" in line, line
+    path, line = recovery_of(dry_run({}, "--model", "resnet18", "--strategy", "fsdp"))
+    assert path == "restart" and "--strategy fsdp shards the model" in line, line
+    path, line = recovery_of(dry_run({}, str(USER_CODE / "inplace_loop.py"), "--out", str(tmp_path)))
+    assert path == "in-place" and line.startswith("recovery: in place: "), line
+    path, line = recovery_of(dry_run({"RECOVERY": "restart"}, "--model", "cnn"))
+    assert path == "restart" and line.endswith("(RECOVERY=restart)"), line
+
+
+def test_without_torchft_an_elastic_job_takes_the_restart_path_and_says_so(tmp_path):
+    """A host without the inplace extra: torchft hidden from the launcher's Python."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")
+    path, line = recovery_of(dry_run({}, "--model", "cnn", pythonpath=str(tmp_path)))
+    assert path == "restart" and "torchft is not installed (pip install 'ddp-trainer[inplace]')" in line, line
+
+
+def test_an_unknown_recovery_is_one_line_and_exit_2():
+    done = dry_run({"RECOVERY": "sometimes"}, "--model", "cnn")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: RECOVERY: 'sometimes' is not one of in-place, restart (in-place keeps the processes when a host goes "
+        "or comes (seconds per change); restart starts every host's workers again from the newest checkpoint)"]
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_cannot_be_reached_is_one_line_naming_it_and_exit_2_before_training(hosts, tmp_path,
+                                                                                               launches):
+    """The second host alone: nothing listens at MASTER_ADDR:MASTER_PORT on the first."""
+    port = free_port()
+    alone = host(tmp_path, port, "hostB", hosts[1], RDZV_TIMEOUT="4")
+    launches.append(alone)
+    assert alone.wait(60) == 2, alone.output()
+    errors = [line for line in alone.output().splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: MASTER_ADDR: the lighthouse at http://{MASTER_ADDR}:{port} cannot be reached (Connection "
+                      "refused; waited RDZV_TIMEOUT, 4 s) (start trainer-launch on the MASTER_ADDR host first (it runs "
+                      "the lighthouse), or check MASTER_ADDR, MASTER_PORT and the firewall between the hosts; "
+                      "RECOVERY=restart takes the restart path instead)"], alone.output()
+    assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("seen-*"))
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen:
+    """The lighthouse on its own, as compose.multinode.yaml's service runs it: the launchers use the one that
+    answers at MASTER_ADDR:MASTER_PORT."""
+    log = open(out / "lighthouse.log", "wb")  # noqa: SIM115 (the lighthouse writes it until the test ends)
+    proc = subprocess.Popen([*where.prefix, sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port),
+                             "--join-timeout", "10"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "RUST_LOG": "info"})
+    wait_until(lambda: lighthouse_answers(where, port), 30, "the lighthouse to answer")
+    return proc
+
+
+def lighthouse_answers(where: Host, port: int) -> bool:
+    probe = f"import socket; socket.create_connection(('{MASTER_ADDR}', {port}), timeout=1)"
+    return subprocess.run([*where.prefix, sys.executable, "-c", probe], capture_output=True).returncode == 0

@@ -1,0 +1,101 @@
+"""A script on trainer.api's loop pieces (run.steps, run.backward, run.optimizer_step), as the in-place tests run it.
+
+Every rank appends, for each step that commits, one line to <out>/seen-<pid>.txt: the world size, the step and the
+sample indices it trained (a step abandoned when a host was lost is not written: its gradients were discarded).
+Each DataLoader worker writes its pid to <out>/loader-<training pid>-<worker pid> when it starts. A test tells from
+these that every sample of the epoch was trained on exactly once across the world-size changes, and that the
+processes that stayed kept their pids.
+
+    trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
+                   [--epochs E] [--validate S] [--ballast-mb M]
+
+--validate S: after each epoch, "validating" on stderr, then a validation that takes about S seconds (this host's
+own: under in-place recovery every host validates the whole set). --ballast-mb M: M MiB more in every checkpoint
+(and in the state a returning host gets), so that a checkpoint takes a while to write.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from numbered import Numbered
+from torch.utils.data import DataLoader
+
+from trainer import api
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--samples", type=int, default=4800)
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="a slower loop: time to change the world")
+    parser.add_argument("--workers", type=int, default=1, help="DataLoader worker processes (persistent)")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--validate", type=float, default=0.0, help="seconds a validation takes (0: none)")
+    parser.add_argument("--ballast-mb", type=int, default=0, help="MiB more in every checkpoint")
+    args = parser.parse_args()
+    out = args.out
+
+    def loader_worker(worker_id: int) -> None:
+        api.dataloader_worker_init(worker_id)
+        open(f"{out}/loader-{os.getppid()}-{os.getpid()}", "w").close()
+
+    dataset = Numbered(args.samples)
+    with api.Run(checkpoint_dir=f"{out}/checkpoints", log_dir=f"{out}/runs", checkpoint_every=10,
+                 log_every=10) as run:
+        torch.manual_seed(0)
+        model = run.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        batch = run.settings.batch_size
+        loader = DataLoader(dataset, batch_size=batch, sampler=run.sampler(dataset, batch), drop_last=True,
+                            num_workers=args.workers, persistent_workers=args.workers > 0,
+                            worker_init_fn=loader_worker if args.workers else None)
+        extra = {"ballast": Ballast(args.ballast_mb)} if args.ballast_mb else {}
+        run.resume(model=model, optimizer=optimizer, **extra)
+        val = Numbered(64)
+        val_loader = DataLoader(val, batch_size=16)
+        pending = None  # (step, world size, indices) of the step in flight: written once it committed
+        with open(f"{out}/seen-{os.getpid()}.txt", "a") as seen:
+            def write_if_committed() -> None:
+                if pending is not None and run.step_count >= pending[0]:
+                    seen.write(" ".join(map(str, [pending[1], pending[0], *pending[2]])) + "\n")
+                    seen.flush()
+            for _epoch in run.epochs(args.epochs):
+                for micro_batches in run.steps(loader):
+                    write_if_committed()
+                    indices = []
+                    for x, y, index in micro_batches:
+                        with run.autocast():
+                            loss = torch.nn.functional.cross_entropy(model(x.to(run.device)), y.to(run.device))
+                        run.backward(loss)
+                        indices += index.tolist()
+                    time.sleep(args.step_seconds)
+                    run.optimizer_step(optimizer)
+                    pending = (run.step_count + 1, run.world_size, indices)
+                write_if_committed()
+                pending = None
+                if args.validate and not run.stopped:
+                    print(f"validating after epoch {run.epoch}", file=sys.stderr, flush=True)
+                    slow = ((x, y) for x, y, _ in _slowly(val_loader, args.validate / len(val_loader)))
+                    metrics = api.evaluate(run, model, slow, count=len(val_loader))
+                    print(f"validated: {metrics}", file=sys.stderr, flush=True)
+
+
+class Ballast(torch.nn.Module):
+    """Checkpointed, never trained: a checkpoint of M MiB more."""
+
+    def __init__(self, mib: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(mib * 2**18))
+
+
+def _slowly(batches, seconds: float):
+    for batch in batches:
+        time.sleep(seconds)
+        yield batch
+
+
+if __name__ == "__main__":
+    main()

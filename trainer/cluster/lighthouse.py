@@ -1,0 +1,168 @@
+"""The torchft lighthouse of a job on in-place recovery (docs/elastic.md), seen from the launcher (torch-free).
+
+The lighthouse says, at every step, which hosts train it (torchft's quorum). It listens at MASTER_ADDR:MASTER_PORT,
+the port the c10d rendezvous would take on the restart path: the launcher on the MASTER_ADDR host runs it beside
+itself unless one answers there already (compose.multinode.yaml's `lighthouse` service, or another launcher of the
+job on that host). Every launcher waits for it, up to RDZV_TIMEOUT, before its workers start.
+
+    python -m trainer.cluster.lighthouse --port 29500 [--min-hosts 1] [--join-timeout 300]
+
+runs one on its own (what the compose service does), with the settings the launcher gives its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable
+
+QUORUM_TICK_MS = 100
+# A host that stops sending heartbeats (killed, frozen, cut off) is left out of the next quorum after this long: the
+# most of what a lost host costs the others (docs/benchmarks.md). Heartbeats come from threads of torchft's own (a
+# host busy in a long step or checkpoint write still sends them); torchft's default is 5 s.
+HEARTBEAT_TIMEOUT_MS = 2000
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def unavailable() -> str | None:
+    """Why this host cannot run in place (torchft, the optional `inplace` extra, is not installed); None: it can."""
+    if importlib.util.find_spec("torchft") is None:
+        return "torchft is not installed (pip install 'ddp-trainer[inplace]')"
+    if program() is None:
+        return "torchft's torchft_lighthouse command is not on PATH nor beside this Python"
+    return None
+
+
+def program() -> str | None:
+    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    return beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
+
+
+def answers(host: str, port: int, timeout: float = 1.0) -> str | None:
+    """None when something accepts connections at host:port; else why not (the socket's words)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as err:
+        return err.strerror or type(err).__name__
+
+
+def here(host: str) -> bool:
+    """Whether `host` is an address of this machine (the lighthouse then runs here): a loopback address, or one a
+    socket binds to (only an address of one of this machine's interfaces does)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for address in addresses:
+        if address.startswith("127.") or address == "::1":
+            return True
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def _die_with_parent() -> None:
+    """In the lighthouse's process, before exec: it gets SIGTERM when the launcher's process ends (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start(port: int, min_hosts: int, join_timeout_s: float) -> subprocess.Popen:
+    """The lighthouse, beside this launcher: in a session of its own (a terminal's Ctrl-C is the launcher's to pass
+    on: the workers stop at an agreed step, which needs the lighthouse), ended when the launcher's process ends."""
+    return subprocess.Popen([sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port), "--min-hosts",
+                             str(min_hosts), "--join-timeout", f"{join_timeout_s:g}"],
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def serve(port: int, min_hosts: int, join_timeout_s: float) -> int:
+    """Run the lighthouse in this process until it is stopped. torchft's Rust server (its LighthouseServer) is loaded
+    from its file without the torchft package, whose import loads torch: 3 s and 300 MB on this project's test
+    machine against 0.03 s and a few MB. Where that file is not found or does not load (another torchft), its
+    torchft_lighthouse command takes this process's place: slower to start, the same server."""
+    os.environ.setdefault("RUST_LOG", "warn")  # its INFO is a line per quorum request
+    settings = {"bind": f"[::]:{port}", "min_replicas": min_hosts, "quorum_tick_ms": QUORUM_TICK_MS,
+                "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+                # A host alive but not at a step's start (a long checkpoint write) is waited for this long.
+                "join_timeout_ms": int(join_timeout_s * 1000)}
+    server = None
+    try:
+        spec = importlib.util.find_spec("torchft")
+        places = list(spec.submodule_search_locations or []) if spec is not None else []
+        found = [os.path.join(place, name) for place in places for name in sorted(os.listdir(place))
+                 if name.startswith("_torchft.") and name.endswith(".so")]
+        if found:
+            loaded = importlib.util.spec_from_file_location("torchft._torchft", found[0])
+            module = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)
+            server = module.LighthouseServer(**settings)
+    except (ImportError, OSError, AttributeError, TypeError):
+        server = None
+    if server is None:
+        command = [program() or "torchft_lighthouse", *(f"--{key}={value}" for key, value in settings.items())]
+        os.execvp(command[0], command)
+    while True:  # the server runs on threads of its own; SIGTERM (its launcher ending) ends the process
+        time.sleep(3600)
+
+
+def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], started: subprocess.Popen | None = None
+         ) -> str | None:
+    """Wait until the lighthouse answers (said once after a few seconds); None, or why it never did."""
+    deadline, said = time.monotonic() + bound_s, False
+    began = time.monotonic()
+    while True:
+        why = answers(host, port)
+        if why is None:
+            return None
+        if started is not None and started.poll() is not None and started.returncode not in (0, None):
+            # Another launcher on this machine took the port first (several hosts on one machine): its lighthouse
+            # answers soon. Anything else shows as no answer at the deadline.
+            started = None
+        if time.monotonic() >= deadline:
+            return why
+        if not said and time.monotonic() - began > 3:
+            say(f"waiting for the lighthouse at {url(host, port)} (up to RDZV_TIMEOUT, {bound_s:g} s): it runs beside "
+                "trainer-launch on the MASTER_ADDR host")
+            said = True
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.cluster.lighthouse", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True, help="its port (the job's MASTER_PORT)")
+    parser.add_argument("--min-hosts", type=int, default=None, help="no quorum with fewer hosts (default: MIN of "
+                        "--nnodes)")
+    parser.add_argument("--nnodes", default="1", help="the job's NNODES, MIN:MAX (its MIN is the fewest hosts)")
+    parser.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds a host alive but not at a step's start is waited for (--collective-timeout)")
+    args = parser.parse_args(argv)
+    fewest = args.min_hosts
+    if fewest is None:
+        first = args.nnodes.split(":")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            parser.error(f"--nnodes: '{args.nnodes}' is not MIN:MAX (e.g. 1:2)")
+        fewest = int(first)
+    return serve(args.port, fewest, args.join_timeout)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

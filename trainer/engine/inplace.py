@@ -1,0 +1,402 @@
+"""In-place recovery: a lost or returning host costs the others seconds, not a restart (docs/elastic.md).
+
+Each host's workers are one replica group of torchft's Manager (PyPI `torchft`, an optional dependency: the
+`inplace` extra); its lighthouse, beside trainer-launch on the MASTER_ADDR host, says who is here at each step.
+The processes stay as they are when a host goes or comes: their CUDA contexts, compiled graphs, DataLoader workers,
+optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at the step boundary:
+
+  begin_step()  the quorum (torchft asks the lighthouse): who trains this step. A new membership gets a new process
+                group across the hosts (a new generation of torchft's reconfigurable gloo group on the first host's
+                store). A host behind (returned, or new) gets the state from a live peer over that group before the
+                step: the checkpoint dict of trainer.checkpoint, sent with torch.save and read with weights_only=True.
+  shares        the ranks of the job's largest world this rank trains now (trainer.data.sampling): a host away, its
+                share of the global batch is trained by those here, in micro-batches of the same size, so every step
+                trains the same samples in the same micro-batches whatever the membership.
+  commit()      the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
+                over its processes: run.wrap() wraps as on the restart path, so checkpoints of either path fit the
+                other), then torchft's should_commit: the step counts only if every part succeeded.
+                Otherwise it is abandoned, its gradients discarded, and taken again at the new membership.
+
+Fencing: a host that comes back after the others went on without it (SIGSTOP, a long pause, a cut network, or
+heartbeats the lighthouse received too late on an overloaded machine) must not write a checkpoint or join the newer
+group. The generation is torchft's quorum id: the first rank of each new generation writes it to the checkpoint
+directory (GENERATION_FILE); a host reads it before each step's quorum and before committing a checkpoint, and a
+host healed after a generation it never saw is fenced too. Either way it leaves with one line
+(trainer.core.errors.Fenced); its launcher starts it again, and it rejoins as a returning host.
+
+Why not torchft's own DistributedDataParallel: with torch 2.14 and gloo its comm hook fails an assertion on the
+first lost peer (ManagedWork.wait() reports the gloo error and leaves the future unset), and it relies on
+find_unused_parameters=True to keep torch's reducer from rebuilding its buckets, whose layout would then differ
+between a host that just joined and the others (their sums would pair different gradients). One sum of the
+gradients in the parameters' own order after the backward has neither problem (docs/benchmarks.md has its cost).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from trainer.config.settings import INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV, REPLICA_ENV
+from trainer.core.errors import Fenced, UsageError
+from trainer.core.files import atomic_file
+from trainer.data.sampling import shares_of
+from trainer.parallel.context import DistContext, collective_failure
+
+log = logging.getLogger("trainer")
+GENERATION_FILE = ".generation"  # in the checkpoint directory: the newest generation (quorum id) that trained
+MAX_ABANDONED = 100  # steps abandoned in a row before the run ends: one that never commits is not training
+
+
+def wanted(env) -> bool:
+    """Whether trainer-launch put this job on in-place recovery."""
+    return bool(env.get(LIGHTHOUSE_ENV, "").strip())
+
+
+def largest_world(env) -> int | None:
+    """The largest world of an in-place job (its settings are resolved for it); None off the in-place path."""
+    raw = env.get(INPLACE_WORLD_ENV, "").strip()
+    return int(raw) if wanted(env) and raw.isdigit() else None
+
+
+class InPlace:
+    """One process's part in the replica groups (see the module's docstring). `state()` and `load(state)` are the
+    run's: the checkpoint dict at the current position, and putting one back (Run provides them)."""
+
+    def __init__(self, ctx: DistContext, env, collective_timeout_s: float, checkpoint_dir: str,
+                 state: Callable[[], dict], load: Callable[[dict], None]):
+        self.ctx, self.state, self.load = ctx, state, load
+        self.largest = int(env[INPLACE_WORLD_ENV])
+        self.lighthouse = env[LIGHTHOUSE_ENV].strip()
+        self.generation_file = Path(checkpoint_dir) / GENERATION_FILE
+        self.quorum: tuple[int, int, int] | None = None  # (generation, replica rank, replicas) this process is in
+        self.shares: list[int] = []
+        self.healed = False       # this step began with the state of a peer
+        self.trained = False      # this process committed a step (a healed one that had: fenced)
+        self.abandoned = 0        # steps abandoned since the last commit
+        self.lost_at: float | None = None
+        self.step_began = time.perf_counter()
+        self._took_over = False
+        timeout = timedelta(seconds=collective_timeout_s)
+        # torchft's Rust side logs every quorum and commit at INFO, and its Python side a traceback for every error
+        # it handles (a lost peer is one): this module's lines say what happened, once.
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        try:
+            import torchft  # noqa: F401
+        except ImportError as err:
+            raise UsageError("RECOVERY", f"in-place recovery needs torchft, which does not import here ({err})",
+                             "pip install 'ddp-trainer[inplace]' on every host, or RECOVERY=restart") from None
+        from torchft import Manager
+
+        self.group = _replica_group(timeout)
+        self.transport = _StateOverGroup(self.group)
+        address = env.get(REPLICA_ADDR_ENV, "").strip() or "127.0.0.1"
+        try:
+            self.manager = Manager(
+                pg=self.group, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+                use_async_quorum=False,  # the quorum before the step's data: each step's shares are known
+                timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=10),
+                rank=ctx.topology.local_rank, world_size=ctx.topology.local_world_size,
+                store_addr=ctx.topology.master_addr, store_port=ctx.topology.master_port,
+                lighthouse_addr=self.lighthouse, replica_id=env.get(REPLICA_ENV, "").strip() or None,
+                hostname=address, checkpoint_transport=self.transport,
+                max_retries=MAX_ABANDONED)  # then a RuntimeError: a step that never commits is not training
+        except Exception as err:  # noqa: BLE001 (torchft's Rust client says why in its own words)
+            raise UsageError("MASTER_ADDR", f"the lighthouse at {self.lighthouse} cannot be reached "
+                             f"({' '.join(str(err).split())[:200]})", "start trainer-launch on the MASTER_ADDR host "
+                             "first (it runs the lighthouse), or check MASTER_ADDR and the port between the hosts"
+                             ) from None
+
+    # ------------------------------------------------------------------ torchft's state callbacks
+    def _state(self) -> dict:
+        """A peer behind asks (in torchft's quorum thread, while this one's main thread waits in the quorum)."""
+        return self.state()
+
+    def _load(self, state: dict) -> None:
+        generation = self.group.generation
+        if self.trained and self.quorum is not None and generation - self.quorum[0] >= 2:
+            raise Fenced(f"in place: this host came back after the job went on without it (generation "
+                         f"{self.quorum[0]} -> {generation}: it was frozen, paused or cut off): it leaves, having "
+                         "written nothing of the newer generation (started again, it rejoins as a returning host)")
+        self.load(state)
+        self.healed = True
+
+    # ------------------------------------------------------------------ the step boundary
+    def set_step(self, step: int) -> None:
+        """The run's step after a resume (torchft counts committed steps: the quorum compares them)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def begin_step(self) -> bool:
+        """The quorum for the next step; True when this rank's shares or state changed (the batches restart)."""
+        # Before asking for a quorum (a host that is in a newer generation is inside its quorum call, not here): a
+        # newer generation on disk is one that was formed without this host.
+        self.check_fence("after an abandoned step" if self.abandoned else "at a step's start")
+        self.healed = False
+        self.group.configured_s = self.transport.moved_s = 0.0
+        began = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except Fenced:
+            raise
+        except Exception as err:  # noqa: BLE001 (the lighthouse gone: torchft raises what its client raised)
+            raise QuorumFailed(f"in place: no quorum from the lighthouse at {self.lighthouse} "
+                               f"({' '.join(str(err).split())[:200]}) (the lighthouse runs beside trainer-launch on "
+                               "the MASTER_ADDR host: that host went away, or fewer hosts than NNODES's MIN were "
+                               "left for --collective-timeout; start them again: the job resumes from the newest "
+                               "checkpoint)") from None
+        replicas, replica = self.manager.num_participants(), self.manager.participating_rank()
+        quorum = (self.group.generation, replica or 0, replicas)
+        changed = quorum != self.quorum or self.healed
+        self.step_began = time.perf_counter()
+        if quorum != self.quorum:
+            nproc = self.ctx.topology.local_world_size
+            rank, world = (replica or 0) * nproc + self.ctx.topology.local_rank, replicas * nproc
+            self.shares = shares_of(rank, world, self.largest)
+            waited = time.perf_counter() - began
+            if self.ctx.is_local_main:
+                # The quorum's time: agreeing on the members (the lighthouse waits for a lost host's heartbeats to
+                # lapse), the new group across the hosts, and the state sent to (or received from) a host behind.
+                group, moved = self.group.configured_s, self.transport.moved_s
+                log.info("in place: generation %d, world size %d of at most %d (%d host(s)); this host is replica %d "
+                         "and trains shares %s; the quorum took %.2f s (agreement %.2f s, new group %.2f s, state "
+                         "%.2f s%s)%s", quorum[0], world, self.largest, replicas, replica or 0,
+                         ",".join(map(str, self.shares)) or "none (a spare: more hosts than NNODES's MAX)", waited,
+                         max(0.0, waited - group - moved), group, moved,
+                         f", {self.transport.moved_bytes / 2**20:.1f} MiB" if moved else "",
+                         "; healed from a peer" if self.healed else "")
+            if replica == 0 and self.ctx.is_local_main:
+                self._write_generation(quorum[0])
+            self.quorum = quorum
+        return changed
+
+    @property
+    def world_size(self) -> int:
+        return (self.quorum[2] if self.quorum else 1) * self.ctx.topology.local_world_size
+
+    @property
+    def rank(self) -> int:
+        return (self.quorum[1] if self.quorum else 0) * self.ctx.topology.local_world_size + self.ctx.topology.local_rank
+
+    def writes(self) -> bool:
+        """Whether this host writes the job's checkpoints, scalars and summary: the first replica of the generation."""
+        return self._took_over or (self.quorum is not None and self.quorum[1] == 0)
+
+    def commit(self, parameters) -> bool:
+        """The step's gradients summed over the hosts, scaled to the mean over the largest world's ranks (each of
+        which is a share some rank trained); True: step the optimizer, False: the step is abandoned."""
+        import torch
+        from torch.distributed import ReduceOp
+
+        params = [p for p in parameters if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        # The host's own DistributedDataParallel has averaged over its processes: x processes / largest world.
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        flat.mul_(self.ctx.topology.local_world_size / self.largest)
+        try:
+            committed = self.manager.should_commit()
+        except RuntimeError as err:  # torchft's end to abandoned steps (max_retries), or its manager gone
+            raise QuorumFailed(f"in place: step {self.manager.current_step() + 1} could not be committed "
+                               f"({' '.join(str(err).split())[:200]}); {MAX_ABANDONED} abandoned in a row end the "
+                               "run (the hosts kept failing their sums: see their logs)") from None
+        if committed:
+            offset = 0
+            for p in params:
+                part = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(part)
+                elif part.any():  # unused here, used by a peer
+                    p.grad = part.clone()
+            self.trained = True
+            self.abandoned = 0
+            return True
+        error = self.manager.errored()
+        self.abandoned += 1
+        spent = time.perf_counter() - self.step_began
+        if self.lost_at is None:
+            self.lost_at = time.perf_counter()
+        if self.ctx.is_local_main:
+            what = collective_failure(error.original_exception) if error is not None else None
+            log.warning("in place: step %d abandoned after %.2f s (%s); it is taken again with the hosts still here",
+                        self.manager.current_step() + 1, spent, what or (str(error).splitlines()[0][:200] if error
+                                                                         else "a peer did not commit"))
+        for p in params:
+            p.grad = None
+        return False
+
+    def recovered(self, step: int) -> None:
+        """A step committed: after abandoned ones, say what the change cost."""
+        if self.lost_at is not None and self.ctx.is_local_main:
+            log.info("in place: step %d committed %.2f s after the first abandoned one, at world size %d",
+                     step, time.perf_counter() - self.lost_at, self.world_size)
+        self.lost_at = None
+
+    def confirm(self, wrote: bool) -> bool:
+        """The end, on every host: whether the host that writes committed the last checkpoint (a sum over the hosts;
+        False if it failed, or a host was lost meanwhile)."""
+        import torch
+        from torch.distributed import ReduceOp
+
+        flag = torch.tensor([1.0 if wrote else 0.0])
+        return bool(self.manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()) and flag.item() > 0 \
+            and self.manager.errored() is None
+
+    def take_over(self) -> None:
+        """This host writes from now on (the end, when the writing host did not confirm)."""
+        self._took_over = True
+
+    # ------------------------------------------------------------------ fencing
+    def _write_generation(self, generation: int) -> None:
+        try:
+            self.generation_file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.generation_file, "w", durable=False) as f:
+                f.write(f"{generation}\n")
+        except OSError as err:  # the checkpoints' own writes say it better; fencing then rests on the quorum
+            log.warning("in place: cannot write %s (%s)", self.generation_file, err.strerror)
+
+    def newest_generation(self) -> int | None:
+        try:
+            return int(self.generation_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def check_fence(self, when: str) -> None:
+        """Leave (Fenced) if a generation newer than this host's trained without it."""
+        newest = self.newest_generation()
+        if self.trained and self.quorum is not None and newest is not None and newest > self.quorum[0]:
+            raise Fenced(f"in place: this host came back after the job went on without it (generation "
+                         f"{self.quorum[0]}, the job's is {newest}: it was frozen, paused or cut off; noticed {when}): "
+                         "it leaves, having written nothing of the newer generation (started again, it rejoins as a "
+                         "returning host)")
+
+    def fence(self) -> None:
+        """Before a checkpoint is committed (the checkpointer calls it)."""
+        self.check_fence("before committing a checkpoint")
+
+    # ------------------------------------------------------------------ the end
+    def close(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # noqa: BLE001 (leaving: nothing more to do with it)
+            pass
+
+
+def _replica_group(timeout: timedelta):
+    """torchft's reconfigurable gloo group, which also remembers the generation (quorum id) it was made for."""
+    from torchft import ProcessGroupGloo
+
+    class ReplicaGroup(ProcessGroupGloo):
+        generation = 0
+        configured_s = 0.0  # the last configure's seconds (the new group's rendezvous across the hosts)
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
+                      group_rank: int | None = None, group_world_size: int | None = None,
+                      global_ranks: list[int] | None = None) -> None:
+            began = time.perf_counter()
+            try:
+                super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                                  global_ranks)
+            finally:
+                self.configured_s = time.perf_counter() - began
+            self.generation = quorum_id or 0
+
+    return ReplicaGroup(timeout=timeout)
+
+
+def _StateOverGroup(group):
+    """torchft's transport for a host behind: the state from a live peer over the new group. torchft's own (HTTP, and
+    its process-group one) unpickle what a peer sends; this one sends torch.save's bytes, read with weights_only=True
+    as every checkpoint is (the same dict)."""
+    import torch
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    class StateOverGroup(CheckpointTransport):
+        moved_s, moved_bytes = 0.0, 0  # the last transfer's seconds (serialising included) and size
+
+        def metadata(self) -> str:
+            return "process-group"
+
+        def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+            began = time.perf_counter()
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer)
+            data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+            header = torch.tensor([data.numel(), step], dtype=torch.int64)
+            for rank in dst_ranks:
+                group.send([header], rank, 1).wait(timeout)
+                group.send([data], rank, 2).wait(timeout)
+            self.moved_s, self.moved_bytes = time.perf_counter() - began, data.numel()
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+            began = time.perf_counter()
+            header = torch.zeros(2, dtype=torch.int64)
+            group.recv([header], src_rank, 1).wait(timeout)
+            size, sent_step = (int(v) for v in header)
+            if sent_step != step:
+                raise RuntimeError(f"a peer sent the state of step {sent_step}, not {step}")
+            data = torch.empty(size, dtype=torch.uint8)
+            group.recv([data], src_rank, 2).wait(timeout)
+            state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
+            self.moved_s, self.moved_bytes = time.perf_counter() - began, size
+            return state
+
+    return StateOverGroup()
+
+
+class QuorumFailed(Exception):
+    """The lighthouse went away, or a quorum never formed (fewer hosts than the job's fewest for too long)."""
+
+
+def steps(run, batches: Iterable) -> Iterator[Iterator]:
+    """run.steps() under in-place recovery: each step begins with the quorum; this rank's micro-batches are those of
+    the shares it trains now (grad_accum per share, the last one synchronised with the host's other processes); an
+    abandoned step is taken again from the same position at the new membership, and the batches are read again
+    from there (a DataLoader's persistent workers stay: a new iterator of it reuses them)."""
+    from trainer.data.sampling import ResumableSampler
+    from trainer.engine.microbatches import Counted
+
+    replicas = run._inplace
+    sampler = getattr(batches, "sampler", None)
+    if not isinstance(sampler, ResumableSampler) or sampler.world_size != replicas.largest or iter(batches) is batches:
+        with run._once():
+            raise UsageError("run.steps()", "under in-place recovery it reads the batches again after a host comes or "
+                             "goes, and these are not a DataLoader on run.sampler()'s order", "give run.steps() the "
+                             "DataLoader made with sampler=run.sampler(dataset, batch_size), or set RECOVERY=restart")
+    accum = run.settings.grad_accum
+    per_epoch = sampler.batches_per_epoch if sampler.stop_batch is None else \
+        min(sampler.stop_batch, sampler.batches_per_epoch)
+    per_epoch //= accum
+    samples = sampler.batch_size * accum * replicas.largest  # every step trains the largest world's global batch
+    source = None
+    while not run._ended and run.position.batch // accum < per_epoch:
+        if replicas.begin_step() or source is None:
+            sampler.train_shares(replicas.shares, accum)
+            sampler.set_epoch(run.position.epoch, run.position.batch, sampler.stop_batch)
+            source = iter(run.observers.batches(batches))
+        micro = accum * len(replicas.shares)
+        first = next(source, None)
+        if first is None:
+            return
+        counted = Counted(first, source, micro, run.no_sync)
+        run._step_committed = None
+        yield iter(counted)
+        committed, run._step_committed = run._step_committed, None
+        if committed is None:
+            with run._once():
+                raise UsageError("run.steps()", "a step ended without run.optimizer_step(optimizer), which under "
+                                 "in-place recovery sums the gradients over the hosts", "call run.optimizer_step("
+                                 "optimizer) once per step, after the backward passes")
+        if not committed:
+            source = None  # the step again, from the same position, with the hosts still here
+            continue
+        replicas.recovered(run.position.step + 1)
+        done = run.position.batch // accum + 1 == per_epoch
+        if run._after_step(accum, samples, epoch_done=done, scalars={}):
+            return
