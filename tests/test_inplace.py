@@ -189,6 +189,9 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
     assert read_summary(tmp_path / "runs")["status"] == "completed"
     trained = newest_checkpoint(checkpoints)
     assert trained["global_step"] == steps and not list(checkpoints.glob(".tmp-*"))
+    # The returning host resumed from the newest checkpoint it found, while the survivor committed newer ones: those
+    # are the job's, not a rollback's abandoned future (nothing set aside).
+    assert not [p.name for p in checkpoints.iterdir() if p.name.startswith("abandoned")], list(checkpoints.iterdir())
 
     # The same job without faults on the restart path, two processes under DistributedDataParallel, trains the very
     # same micro-batches (in place, the shares of the lost host were trained by the survivor): the same weights and
