@@ -274,7 +274,7 @@ class Run:
         gradients cleared, the LR schedule advanced."""
         if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: it is taken again
             optimizer.zero_grad(set_to_none=True)
-            self._clipped = False
+            self._mixed, self._clipped = 0, False  # taken again: the same mixes
             return
         if self.settings.clip_grad_norm and not self._clipped:
             self.clip_gradients(optimizer)
@@ -324,7 +324,11 @@ class Run:
             return inputs, targets
         if self._mixer is None or self._mixer.num_classes != num_classes:
             self._mixer = MixUpCutMix(self.settings.mixup_alpha, self.settings.cutmix_alpha, num_classes)
-        key = mix_key(self.settings.seed, self.position.epoch, self.position.batch + self._mixed, self.rank)
+        micro, rank = self._mixed, self.rank
+        if self._inplace is not None:  # a step's micro-batches are grad_accum of each share in turn (inplace.steps)
+            share, micro = divmod(self._mixed, self.settings.grad_accum)
+            rank = self._inplace.shares[share] if share < len(self._inplace.shares) else rank
+        key = mix_key(self.settings.seed, self.position.epoch, self.position.batch + micro, rank)
         self._mixed += 1
         mixed, soft = self._mixer(inputs, targets, key)
         if self.settings.channels_last and mixed.ndim == 4:  # MixUp's roll makes a contiguous tensor
@@ -680,7 +684,9 @@ class Run:
         from trainer.engine.optim import warmup_length
 
         cfg = self.settings
-        global_batch = (self._batch_size or cfg.batch_size) * self.world_size * cfg.grad_accum
+        # In place every step trains the largest world's global batch, whatever the membership.
+        world = self.world_size if self._inplace is None else self._inplace.largest
+        global_batch = (self._batch_size or cfg.batch_size) * world * cfg.grad_accum
         epochs = self._epochs if self._epochs is not None else cfg.epochs
         self.ema.set_decay(model_ema.adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, epochs))
         self.ema.warmup_steps = warmup_length(cfg, self.total_steps or 0)
