@@ -348,6 +348,16 @@ def test_in_place_asked_for_a_plain_script_or_fsdp_takes_the_restart_path_and_sa
     assert path == "restart" and "--strategy fsdp shards the model" in line, line
     path, line = recovery_of(dry_run({}, str(USER_CODE / "inplace_loop.py"), "--out", str(tmp_path)))
     assert path == "in-place" and line.startswith("recovery: in place: "), line
+    # The job is the hosts together; each host's agent runs a one-host group of its own on a local port (the
+    # lighthouse, at MASTER_ADDR:MASTER_PORT, joins the groups).
+    import json
+
+    facts = json.loads(dry_run({"MASTER_PORT": "29511"}, str(USER_CODE / "inplace_loop.py"), "--out",
+                               str(tmp_path)).stdout)
+    command = facts["command"]
+    assert (facts["nnodes"], facts["master_port"]) == ("1:2", 29511), facts
+    assert command[:3] == ["torchrun", "--nnodes=1", "--node-rank=0"] and "--rdzv-backend=c10d" not in command
+    assert not {"--master-addr=127.0.0.1", "--master-port=29511"} & set(command), command
     path, line = recovery_of(dry_run({"RECOVERY": "restart"}, "--model", "cnn"))
     assert path == "restart" and line.endswith("(RECOVERY=restart)"), line
 

@@ -516,9 +516,11 @@ def test_slurm_explicit_master_addr_wins_in_a_real_run(tmp_path):
      "job-0.job:29400"),
 ], ids=["NNODES", "Kubeflow PET_NNODES"])
 def test_an_elastic_range_runs_torchruns_c10d_rendezvous_and_dry_run_shows_it(tmp_path, env, endpoint):
-    # 1:4 hosts of 2 processes: a global batch every world size (2, 4, 6, 8) divides
+    # 1:4 hosts of 2 processes: a global batch every world size (2, 4, 6, 8) divides. The restart path's rendezvous
+    # (in place, tests/test_inplace.py, each host's agent runs a group of its own).
     result = launch(["--dry-run", "--model", "cnn"], env | {"NPROC_PER_NODE": "2", "PET_NPROC_PER_NODE": "",
-                                                            "TRAIN_GLOBAL_BATCH_SIZE": "48"}, tmp_path)
+                                                            "TRAIN_GLOBAL_BATCH_SIZE": "48", "RECOVERY": "restart"},
+                    tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout)
     low, high = (1, 2) if "NNODES" in env else (1, 4)
@@ -532,7 +534,10 @@ def test_an_elastic_range_runs_torchruns_c10d_rendezvous_and_dry_run_shows_it(tm
 
 
 def test_an_elastic_global_batch_every_world_size_must_divide(tmp_path):
-    env = {"NNODES": "1:3", "MASTER_ADDR": "10.0.0.1", "NPROC_PER_NODE": "1", "TRAIN_GLOBAL_BATCH_SIZE": "4"}
+    """On the restart path each membership is a world of its own (in place, every membership trains the largest
+    world's micro-batches: its global batch is the job's)."""
+    env = {"NNODES": "1:3", "MASTER_ADDR": "10.0.0.1", "NPROC_PER_NODE": "1", "TRAIN_GLOBAL_BATCH_SIZE": "4",
+           "RECOVERY": "restart"}
     result = launch(["--model", "cnn"], env, tmp_path)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: TRAIN_GLOBAL_BATCH_SIZE: 4 is not divisible by world size 3 x grad-accum 1, a world size this "
@@ -540,7 +545,8 @@ def test_an_elastic_global_batch_every_world_size_must_divide(tmp_path):
         "grad-accum divides)"], result.stderr
     assert files_under(tmp_path) == set()
     derived = launch(["--model", "cnn", "--batch-size", "64"], {"NNODES": "1:4", "MASTER_ADDR": "10.0.0.1",
-                                                                 "NPROC_PER_NODE": "2"}, tmp_path)
+                                                                 "NPROC_PER_NODE": "2", "RECOVERY": "restart"},
+                     tmp_path)
     assert derived.returncode == 2 and derived.stderr.strip().splitlines() == [
         "error: --batch-size: 64 per process makes a global batch of 512 at world size 8, which world size 6 of "
         "NNODES=1:4 does not divide (an elastic job keeps its global batch at every size) (set --global-batch-size "
