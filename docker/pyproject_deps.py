@@ -46,7 +46,7 @@ def main() -> int:
             text = f.read()
         unknown = [e for e in extras if not extra_dependencies(text, [e])]
         if unknown:
-            print(f"error: TRACKERS: unknown extra {', '.join(unknown)} (use wandb, mlflow)", file=sys.stderr)  # or inplace
+            print(f"error: TRACKERS: unknown extra {', '.join(unknown)} (use wandb, mlflow)", file=sys.stderr)
             return 2
         print("\n".join(extra_dependencies(text, extras)))
         return 0

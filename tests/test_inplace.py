@@ -362,6 +362,18 @@ def test_in_place_asked_for_a_plain_script_or_fsdp_takes_the_restart_path_and_sa
     assert path == "restart" and line.endswith("(RECOVERY=restart)"), line
 
 
+def test_on_gpus_an_elastic_job_recovers_in_place_only_when_asked():
+    """A GPU path no GPU has run is not a default: with GPUs on the host, RECOVERY unset takes the restart path and
+    says why; RECOVERY=in-place asks for it."""
+    from trainer.cluster.launch import build_command
+
+    env = {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29512"}
+    unset = build_command(env, ["--model", "cnn"], gpu_count=lambda: 2).recovery
+    assert not unset.in_place and "in-place recovery has not run on a GPU yet" in unset.line(), unset.line()
+    assert build_command({**env, "RECOVERY": "in-place"}, ["--model", "cnn"], gpu_count=lambda: 2).recovery.in_place
+    assert build_command(env, ["--model", "cnn"], gpu_count=lambda: 0).recovery.in_place  # CPUs: the default
+
+
 def test_without_torchft_an_elastic_job_takes_the_restart_path_and_says_so(tmp_path):
     """A host without the inplace extra: torchft hidden from the launcher's Python."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")

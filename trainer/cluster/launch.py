@@ -319,7 +319,7 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
     per_host = launches_itself(program, settings.script_launch) if options is None and \
         topology.mode == topo.TORCHRUN else None
     if topology.elastic and topology.mode == topo.TORCHRUN:
-        recovery = choose_recovery(settings, topology, program, options, per_host, env)
+        recovery = choose_recovery(settings, topology, program, options, per_host, env, gpu_count() > 0)
         launch = replace(launch, recovery=recovery)
         if recovery.in_place:  # this host's group of its own; the lighthouse joins the hosts' groups
             rdzv = rendezvous(recovery.local, settings)
@@ -370,14 +370,19 @@ def elastic_batch_error(err: UsageError, options: TrainConfig, topology: Topolog
 
 
 def choose_recovery(settings: LauncherSettings, topology: Topology, program: Program, options: TrainConfig | None,
-                    per_host: str | None, env: Mapping[str, str]) -> Recovery:
-    """An elastic job's recovery path (RECOVERY), with the reason when in-place cannot be had."""
+                    per_host: str | None, env: Mapping[str, str], gpus: bool = False) -> Recovery:
+    """An elastic job's recovery path (RECOVERY), with the reason when in-place cannot be had. gpus: the job trains
+    on this host's GPUs, where in-place is asked for explicitly until a GPU run has measured it."""
     if settings.recovery == "restart":
         return Recovery(False, topology, "RECOVERY=restart")
     if env.get("PET_RDZV_BACKEND", "").strip() and not env.get("RECOVERY", "").strip():
         # Kubeflow's elasticPolicy: the operator asked for torchrun's c10d rendezvous (and counts its restarts).
         why = ("the platform asked for torchrun's c10d rendezvous (PET_RDZV_BACKEND, Kubeflow's elasticPolicy); "
                "RECOVERY=in-place on every pod recovers in place instead")
+    elif gpus and not env.get("RECOVERY", "").strip():
+        # A GPU path no GPU has run is not a default: torchft's quorum and heal over NCCL are unmeasured here.
+        why = ("in-place recovery has not run on a GPU yet (docs/elastic.md); RECOVERY=in-place asks for it, "
+               "RECOVERY=restart silences this")
     elif per_host is not None:
         why = f"the script starts its own processes ({per_host})"
     elif options is not None and options.strategy == "fsdp":

@@ -66,8 +66,8 @@ LAUNCHER_SETTINGS = (
              "in-place: the processes stay, a quorum at every step (torchft's lighthouse, run beside the launcher on "
              "the MASTER_ADDR host) says who trains it, a returning host gets the state from a live peer: seconds per "
              "change; where the job cannot (torchft not installed, --strategy fsdp, local SGD, a script not on "
-             "run.steps()) it takes the restart path and says why. restart: every host's workers start again from the "
-             "newest checkpoint (docs/elastic.md)"),
+             "run.steps()) it takes the restart path and says why; on GPUs only when set (no GPU has run it yet). "
+             "restart: every host's workers start again from the newest checkpoint (docs/elastic.md)"),
     Variable("PREFLIGHT", "1", "run trainer-doctor before training; 0 skips it"),
     Variable("TRAIN_SCRIPT", "unset", "your own script (a path, or -m and a module) when the command line names none"),
 )
