@@ -209,25 +209,33 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
         assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
 
 
+def caught_writing(hosts, tmp_path: Path, port: int, launches: list) -> tuple:
+    """Two hosts whose checkpoints take long to write, caught while the writer writes one: (the writer, the other
+    host, the writer's worker's temp files)."""
+    ballast = ("--ballast-mb", "60")  # a write that takes long enough to be caught in it
+    first = host(tmp_path, port, "hostA", hosts[0], *ballast)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *ballast)
+    launches.append(second)
+    writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+                               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    pid = worker_pid(writer)
+    writing = wait_until(lambda: list((tmp_path / "checkpoints").glob(f".tmp-step-*.{pid}")), RUN_BOUND_S,
+                         "a checkpoint being written")
+    return writer, other, writing
+
+
 @pytest.mark.slow
 def test_a_host_lost_while_it_writes_a_checkpoint_leaves_the_older_ones_and_the_others_go_on(hosts, tmp_path,
                                                                                                  launches):
     """The first host writes the job's checkpoints. Killed mid-write (its temp file there), it commits nothing; the
     other host goes on alone, writes from then on, and its rotation removes the lost host's temp file."""
     port = free_port()
-    ballast = ("--ballast-mb", "60")  # a write that takes long enough to be caught in it
     lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)  # as compose's service: not the writer's
-    first = host(tmp_path, port, "hostA", hosts[0], *ballast)
-    launches.append(first)
-    time.sleep(2)
-    second = host(tmp_path, port, "hostB", hosts[1], *ballast)
-    launches.append(second)
     checkpoints = tmp_path / "checkpoints"
-    writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
-                               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
-    survivor, frozen = worker_pid(other), worker_pid(writer)
-    writing = wait_until(lambda: list(checkpoints.glob(f".tmp-step-*.{frozen}")), RUN_BOUND_S,
-                         "a checkpoint being written")
+    writer, other, writing = caught_writing(hosts, tmp_path, port, launches)
+    survivor = worker_pid(other)
     os.kill(writer.pid, signal.SIGKILL)  # its workers die with it, mid-write
     assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
     lighthouse.kill()
@@ -289,18 +297,9 @@ def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tm
     """SIGSTOP the host that writes the checkpoints, in the middle of a write; the other goes on alone after the
     collective timeout. SIGCONT: the frozen host finds a newer generation before committing, leaves with one line,
     having written nothing; its launcher starts it again and it rejoins in place."""
-    port = free_port()
-    ballast = ("--ballast-mb", "60")
-    first = host(tmp_path, port, "hostA", hosts[0], *ballast)
-    launches.append(first)
-    time.sleep(2)
-    second = host(tmp_path, port, "hostB", hosts[1], *ballast)
-    launches.append(second)
     checkpoints = tmp_path / "checkpoints"
-    writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
-                               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    writer, other, writing = caught_writing(hosts, tmp_path, free_port(), launches)
     frozen = worker_pid(writer)
-    writing = wait_until(lambda: list(checkpoints.glob(f".tmp-step-*.{frozen}")), RUN_BOUND_S, "a write under way")
     step = int(writing[0].name.split("-")[2].split(".")[0])
     stopped = [frozen, *descendants(frozen)]
     for pid in stopped:
