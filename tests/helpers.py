@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import socket
 import struct
 import subprocess
@@ -180,6 +181,17 @@ def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
 
 def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def mid_epoch_copy(run: Path, tmp_path: Path, step: int, steps_per_epoch: int) -> Path:
+    """The run's checkpoint of `step`, checked to be mid-epoch, copied to tmp_path/from/ (so that a resume from it
+    writes into a directory of its own): the copy's path."""
+    saved = load_checkpoint(run / "checkpoints" / f"step-{step:08d}.pt")
+    assert (saved["epoch"], saved["batch"]) == divmod(step, steps_per_epoch)  # really mid-epoch
+    copy = tmp_path / "from" / f"step-{step:08d}.pt"
+    copy.parent.mkdir()
+    shutil.copy(run / "checkpoints" / copy.name, copy)
+    return copy
 
 
 def final_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from helpers import (
     dirs_args,
     files_under,
     load_checkpoint,
+    mid_epoch_copy,
     read_scalars,
     read_summary,
     run_trainer,
@@ -78,11 +79,7 @@ def test_everything_on_resumed_mid_epoch_at_two_processes_ends_bit_identical(eve
     """Clipping, smoothing, mixup and cutmix, the EMA, TrivialAugmentWide and erasing on the device (the in-memory,
     GPU-resident input path), repeated augmentation, crops, split weight decays: a run resumed from a mid-epoch
     checkpoint ends with the uninterrupted run's model, optimizer and EMA, bit for bit."""
-    saved = load_checkpoint(everything_run / "checkpoints" / f"step-{step:08d}.pt")
-    assert (saved["epoch"], saved["batch"]) == divmod(step, STEPS_PER_EPOCH)  # really mid-epoch
-    copy = tmp_path / "from" / f"step-{step:08d}.pt"
-    copy.parent.mkdir()
-    shutil.copy(everything_run / "checkpoints" / copy.name, copy)
+    copy = mid_epoch_copy(everything_run, tmp_path, step, STEPS_PER_EPOCH)
 
     train_ok([*EVERYTHING, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
     summary = read_summary(tmp_path / "runs")

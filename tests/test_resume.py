@@ -21,6 +21,7 @@ from helpers import (
     final_params,
     finished_run,
     load_checkpoint,
+    mid_epoch_copy,
     read_scalars,
     read_summary,
     run_trainer,
@@ -45,11 +46,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("step", [30, 150], ids=["epoch-0", "epoch-1"])
 def test_resume_from_a_mid_epoch_checkpoint(uninterrupted, tmp_path, step):
-    saved = load_checkpoint(uninterrupted / "checkpoints" / f"step-{step:08d}.pt")
-    assert (saved["epoch"], saved["batch"]) == divmod(step, STEPS_PER_EPOCH)  # really mid-epoch
-    copy = tmp_path / "from" / f"step-{step:08d}.pt"
-    copy.parent.mkdir()
-    shutil.copy(uninterrupted / "checkpoints" / copy.name, copy)
+    copy = mid_epoch_copy(uninterrupted, tmp_path, step, STEPS_PER_EPOCH)
 
     train_ok([*RUN, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
     summary = read_summary(tmp_path / "runs")
