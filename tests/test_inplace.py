@@ -209,6 +209,67 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
         assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
 
 
+# The reference recipe's techniques that reach across the hosts under in place (docs/recipes.md): the clip after the
+# sum over the hosts, mixup/cutmix keyed by the share's rank in the largest world, the EMA's decay for that world,
+# and the per-sample augmentations keyed by the sample. The built-in loop, BatchNorm-free ("cnn"), so that every
+# tensor of the state must come out equal.
+RECIPE = ("--model", "cnn", "--synthetic-image-size", "48", "--epochs", "1", "--log-every", "1", "--checkpoint-every",
+          "10", "--clip-grad-norm", "0.5", "--label-smoothing", "0.1", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+          "--model-ema", "--model-ema-steps", "1", "--auto-augment", "ta_wide", "--random-erase", "0.1")
+RECIPE_STEPS = 240
+
+
+@pytest.mark.slow
+def test_the_reference_recipe_recovers_in_place_to_the_weights_of_a_fault_free_run(hosts, tmp_path, launches):
+    """The built-in loop with the recipe on: a host lost and back in place, and the final model, EMA and optimizer
+    state equal those of the same job trained by two processes under DistributedDataParallel without a fault."""
+    port = free_port()
+    args = (*RECIPE, "--synthetic-size", str(RECIPE_STEPS * 2 * SHARE_BATCH), "--checkpoint-dir",
+            str(tmp_path / "checkpoints"), "--log-dir", str(tmp_path / "runs"))
+    first = Launch(args, tmp_path, inplace_env(port, hosts[0]), name="hostA", prefix=hosts[0].prefix)
+    launches.append(first)
+    time.sleep(2)
+    second = Launch(args, tmp_path, inplace_env(port, hosts[1]), name="hostB", prefix=hosts[1].prefix)
+    launches.append(second)
+    wait_until(lambda: 2 in [w for _, w in generations(first.output())] and
+               any((tmp_path / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
+               f"both hosts training, a checkpoint\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    survivor = wait_until(lambda: first.workers(), 30, "the first host's worker")
+    os.kill(second.pid, signal.SIGKILL)
+    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
+                                 r"size 1", first.output()), RUN_BOUND_S,
+               f"the survivor to go on alone\n{first.output()[-3000:]}")
+    back = Launch(args, tmp_path, inplace_env(port, hosts[1]), name="hostB-back", prefix=hosts[1].prefix)
+    launches.append(back)
+    wait_until(lambda: generations(first.output())[-1][1] == 2 and len(generations(first.output())) >= 3,
+               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+    assert first.workers() == survivor  # the same process trained on through the loss and the return
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert back.wait(RUN_BOUND_S) == 0, back.output()[-4000:]
+    output = first.output()
+    sizes = [w for _, w in generations(output)]
+    assert sizes[sizes.index(2):][:3] == [2, 1, 2], (generations(output), output[-3000:])
+    assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+    trained = newest_checkpoint(tmp_path / "checkpoints")
+    assert trained["global_step"] == RECIPE_STEPS
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    reference = Launch((*RECIPE, "--synthetic-size", str(RECIPE_STEPS * 2 * SHARE_BATCH), "--checkpoint-dir",
+                        str(alone / "checkpoints"), "--log-dir", str(alone / "runs")), alone,
+                       {"PREFLIGHT": "0", "NPROC_PER_NODE": "2", "TRAIN_BATCH_SIZE": str(SHARE_BATCH)}, name="ddp")
+    launches.append(reference)
+    assert reference.wait(RUN_BOUND_S) == 0, reference.output()[-3000:]
+    expected = newest_checkpoint(alone / "checkpoints")
+    for part in ("model", "model_ema"):
+        assert expected[part].keys() == trained[part].keys(), part
+        for name, tensor in expected[part].items():
+            assert torch.equal(trained[part][name], tensor), (part, name)
+    for key, state in expected["optimizer"]["state"].items():
+        assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+
+
 def caught_writing(hosts, tmp_path: Path, port: int, launches: list) -> tuple:
     """Two hosts whose checkpoints take long to write, caught while the writer writes one: (the writer, the other
     host, the writer's worker's temp files)."""
