@@ -5,7 +5,7 @@ share a network file system) train ResNet-18 on synthetic data for --steps steps
 of training the second host is lost (SIGKILL to its launcher's whole process group) and comes back
 --down-for seconds later with the same settings. Goodput = the fault-free wall time for the same steps / the
 faulted wall time. Each fault's cost is split from the first host's log, which the bench time-stamps line by
-line: detection (kill -> the restart line), restart (-> the checkpoint it resumes from is named), load and
+line: detection (kill -> the restart line, or torch's agent stopping the workers), restart (-> the checkpoint it resumes from is named), load and
 first step (-> the first step at the new size), and the steps recomputed since that checkpoint.
 
 Modes, the same schedule each:
@@ -58,6 +58,7 @@ class Host:
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path):
         self.lines: list[tuple[float, str]] = []
+        self.killed_at = float("inf")
         self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
@@ -67,6 +68,7 @@ class Host:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def kill(self) -> None:
+        self.killed_at = time.monotonic()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -144,7 +146,9 @@ def one_run(mode: str, args, faults: bool) -> dict:
         summary = json.loads((work / "runs" / "summary.json").read_text())
     except (OSError, ValueError):
         pass
-    lines = sorted(line for host in hosts for line in host.lines)
+    # A killed host's pipe still holds lines it wrote before the kill: read afterwards, they would count as progress
+    # after it (stamped when read). Nothing a killed host says after its kill is progress.
+    lines = sorted(line for host in hosts for line in host.lines if line[0] < host.killed_at)
     split = split_inplace(first.lines, lines, kills, returns, began) if mode == "inplace" else \
         split_faults(lines, kills, returns, began)
     others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - began_all)
@@ -164,7 +168,8 @@ def split_faults(lines: list[tuple[float, str]], kills: list[float], returns: li
         after = [(t, line) for t, line in lines if t >= killed]
         lost = lost_progress(lines, killed)
         pause = return_pause(lines, returns[k]) if k < len(returns) else None
-        detected = next((t for t, line in after if line.startswith("restart ") or "exited with" in line), None)
+        detected = next((t for t, line in after if line.startswith("restart ") or "exited with" in line or
+                         "closing signal" in line), None)  # the last: torch's agent stopping the workers (torchrun)
         resumed = next(((t, line) for t, line in after if RESUMED.search(line)), None)
         stepped = next((t for t, line in after if resumed and t > resumed[0] and STEP.search(line)), None)
         last_step = max((int(STEP.search(line).group(1)) for t, line in lines if t < killed and STEP.search(line)),
