@@ -157,7 +157,12 @@ def one_run(mode: str, args, faults: bool) -> dict:
               "kills": len(kills), "per_fault": split, "other_cores_busy": round(max(0.0, others), 2)}
     if hung or summary.get("global_step") != args.steps:
         result["tail"] = [line for _, line in first.lines[-15:]]
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep:  # each host's lines with the bench's clock, beside the run's checkpoints and logs
+        for number, host in enumerate(hosts):
+            (work / f"host-{number}.log").write_text("".join(f"{t - began:9.2f} {line}\n" for t, line in host.lines))
+        result["kept"] = str(work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="seconds before a run is called hung (0: three times the fault-free run, at least 300)")
+    parser.add_argument("--keep", action="store_true", help="keep each run's directory and its hosts' lines")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
   begin_step()  the quorum (torchft asks the lighthouse): who trains this step. A new membership gets a new process
                 group across the hosts (a new generation of torchft's reconfigurable gloo group on the first host's
                 store). A host behind (returned, or new) gets the state from a live peer over that group before the
-                step: the checkpoint dict of trainer.checkpoint, sent with torch.save and read with weights_only=True.
+                step: the checkpoint dict of trainer.checkpoint, its structure sent with torch.save and read with
+                weights_only=True, its tensors as they are in memory (_StateOverGroup).
   shares        the ranks of the job's largest world this rank trains now (trainer.data.sampling): a host away, its
                 share of the global batch is trained by those here, in micro-batches of the same size, so every step
                 trains the same samples in the same micro-batches whatever the membership.
@@ -37,6 +38,7 @@ import io
 import logging
 import os
 import time
+from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -312,8 +314,11 @@ def _replica_group(timeout: timedelta):
 
 def _StateOverGroup(group):
     """torchft's transport for a host behind: the state from a live peer over the new group. torchft's own (HTTP, and
-    its process-group one) unpickle what a peer sends; this one sends torch.save's bytes, read with weights_only=True
-    as every checkpoint is (the same dict)."""
+    its process-group one) unpickle what a peer sends; this one sends the dict's structure as torch.save's bytes with
+    every tensor in it replaced by a meta tensor of its shape and dtype (read with weights_only=True, as every
+    checkpoint is), then each tensor's own bytes as they are in memory. No tensor is pickled or copied into one
+    buffer: pickling the whole state took the running host most of a 5-6 s pause per return at 129 M parameters
+    (docs/benchmarks.md, "In-place recovery at 129 M parameters")."""
     import torch
     from torchft.checkpointing.transport import CheckpointTransport
 
@@ -325,29 +330,91 @@ def _StateOverGroup(group):
 
         def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
             began = time.perf_counter()
+            tensors: list = []
             buffer = io.BytesIO()
-            torch.save(state_dict, buffer)
-            data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-            header = torch.tensor([data.numel(), step], dtype=torch.int64)
+            torch.save(_skeleton(state_dict, tensors), buffer)
+            structure = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+            parts = [_as_bytes(t) for t in tensors]
+            header = torch.tensor([structure.numel(), step, len(parts)], dtype=torch.int64)
             for rank in dst_ranks:
                 group.send([header], rank, 1).wait(timeout)
-                group.send([data], rank, 2).wait(timeout)
-            self.moved_s, self.moved_bytes = time.perf_counter() - began, data.numel()
+                group.send([structure], rank, 2).wait(timeout)
+                sent = [group.send([part], rank, 3) for part in parts if part.numel()]
+                for work in sent:  # all in flight at once: one peer's receives match them in order
+                    work.wait(timeout)
+            self.moved_s = time.perf_counter() - began
+            self.moved_bytes = structure.numel() + sum(part.numel() for part in parts)
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
             began = time.perf_counter()
-            header = torch.zeros(2, dtype=torch.int64)
+            header = torch.zeros(3, dtype=torch.int64)
             group.recv([header], src_rank, 1).wait(timeout)
-            size, sent_step = (int(v) for v in header)
+            size, sent_step, count = (int(v) for v in header)
             if sent_step != step:
                 raise RuntimeError(f"a peer sent the state of step {sent_step}, not {step}")
-            data = torch.empty(size, dtype=torch.uint8)
-            group.recv([data], src_rank, 2).wait(timeout)
-            state = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
-            self.moved_s, self.moved_bytes = time.perf_counter() - began, size
+            structure = torch.empty(size, dtype=torch.uint8)
+            group.recv([structure], src_rank, 2).wait(timeout)
+            skeleton = torch.load(io.BytesIO(structure.numpy().tobytes()), map_location="cpu", weights_only=True)
+            made: list = []
+
+            def receive(meta):
+                made.append(torch.empty(meta.shape, dtype=meta.dtype))
+                return made[-1]
+
+            state = _filled(skeleton, receive)
+            if len(made) != count:
+                raise RuntimeError(f"the state's structure holds {len(made)} tensors, the peer sent {count}")
+            received = [group.recv([_as_bytes(t)], src_rank, 3) for t in made if t.numel()]
+            for work in received:
+                work.wait(timeout)
+            self.moved_s = time.perf_counter() - began
+            self.moved_bytes = size + sum(t.numel() * t.element_size() for t in made)
             return state
 
     return StateOverGroup()
+
+
+def _movable(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
+        and not value.is_meta
+
+
+def _skeleton(value, tensors: list):
+    """value with each plain tensor in its dicts, lists and tuples replaced by a meta tensor of the same shape and
+    dtype (appended to tensors, in the order _filled() meets them). Other containers stay as they are, tensors
+    and all: torch.save sends those."""
+    import torch
+
+    if _movable(value):
+        tensors.append(value)
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _skeleton(v, tensors)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(v, tensors) for v in value)
+    return value
+
+
+def _filled(value, receive: Callable):
+    """The inverse of _skeleton: each meta tensor replaced by receive(meta), in the same order."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        return receive(value)
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _filled(v, receive)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_filled(v, receive) for v in value)
+    return value
+
+
+def _as_bytes(tensor):
+    """A tensor's bytes as a flat uint8 tensor over the same memory where it can (a CPU tensor already contiguous)."""
+    import torch
+
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
 class QuorumFailed(Exception):
