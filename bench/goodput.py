@@ -86,7 +86,7 @@ def host_command(mode: str, args, work: Path) -> list[str]:
     train = ["--model", args.model, "--synthetic-size", str(args.steps * args.batch_size * 2), "--synthetic-image-size",
              str(args.image_size), "--image-size", str(args.image_size),  # the batch: TRAIN_GLOBAL_BATCH_SIZE
              "--epochs", "1", "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
-             "--warmup-steps", "5", "--checkpoint-dir", str(work / "checkpoints"), "--log-dir", str(work / "runs")]
+             "--warmup-steps", "5", *(["--lr", str(args.lr)] if args.lr else []), "--checkpoint-dir", str(work / "checkpoints"), "--log-dir", str(work / "runs")]
     if mode == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",  # torchrun
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}", "--rdzv-id=bench", "--max-restarts=10",
@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32, help="per process at world size 2")
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.0, help="the trainer's --lr (0: its default; a VGG without "
+                        "BatchNorm diverges at the default 0.1)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="seconds before a run is called hung (0: three times the fault-free run, at least 300)")

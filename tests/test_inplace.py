@@ -381,6 +381,65 @@ def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tm
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
+def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():
+    """The transport of a heal (trainer.engine.inplace._StateOverGroup): the structure through torch.save, each tensor
+    as its bytes. Every kind of value a checkpoint holds arrives equal, in the same containers: dtypes of every size,
+    0-dim, empty and non-contiguous tensors, RNG states, numbers and strings, twice in a row on the same group."""
+    import threading
+    from collections import OrderedDict
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer.engine.inplace import _StateOverGroup
+
+    def state() -> dict:
+        g = torch.Generator().manual_seed(3)
+        return {"model": OrderedDict(w=torch.randn(64, 33, generator=g), empty=torch.zeros(0, 4),
+                                     scale=torch.tensor(2.5), half=torch.randn(7, generator=g).half()),
+                "optimizer": {"state": {0: {"momentum_buffer": torch.randn(33, 64, generator=g).t(),
+                                            "step": torch.tensor(12.0)}},
+                              "param_groups": [{"lr": 0.1, "params": [0], "nesterov": False}]},
+                "rng": torch.Generator().manual_seed(9).get_state(), "mask": torch.tensor([True, False, True]),
+                "complex": torch.randn(5, dtype=torch.complex64, generator=g), "ints": torch.arange(10)[::3],
+                "step": 41, "names": ("a", "b"), "nothing": None}
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def make(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+
+    makers = [threading.Thread(target=make, args=(rank,)) for rank in (0, 1)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join()
+    sender, receiver = _StateOverGroup(groups[0]), _StateOverGroup(groups[1])
+
+    def same(got, want, where="state") -> None:
+        assert type(got) is type(want), where
+        if isinstance(want, torch.Tensor):
+            assert (got.dtype, got.shape) == (want.dtype, want.shape) and torch.equal(got, want), where
+        elif isinstance(want, dict):
+            assert list(got) == list(want), where
+            for key in want:
+                same(got[key], want[key], f"{where}[{key!r}]")
+        elif isinstance(want, (list, tuple)):
+            assert len(got) == len(want), where
+            for n, (a, b) in enumerate(zip(got, want)):
+                same(a, b, f"{where}[{n}]")
+        else:
+            assert got == want, where
+
+    for step in (41, 42):
+        send = threading.Thread(target=sender.send_checkpoint, args=([1], step, state(), timedelta(seconds=30)))
+        send.start()
+        got = receiver.recv_checkpoint(0, "process-group", step, timedelta(seconds=30))
+        send.join()
+        same(got, state())
+        assert receiver.moved_bytes == sender.moved_bytes > 64 * 33 * 4 * 2
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 def dry_run(env: dict[str, str], *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
