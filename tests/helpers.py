@@ -194,6 +194,27 @@ def mid_epoch_copy(run: Path, tmp_path: Path, step: int, steps_per_epoch: int) -
     return copy
 
 
+def assert_identical(a, b, where: str = "", same_types: bool = False) -> None:
+    """Every tensor of two nested states bit-identical. same_types: also the same containers, dtypes and key order
+    (what a transport must keep, where a resume may turn a tuple into a list)."""
+    if same_types:
+        assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+        assert not same_types or a.dtype == b.dtype, f"{where}: {a.dtype} != {b.dtype}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
+        assert not same_types or list(a) == list(b), f"{where}: the keys in another order"
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}/{key}", same_types)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]", same_types)
+    else:
+        assert a == b, f"{where}: {a} != {b}"
+
+
 def final_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The model state of the newest checkpoint (the trainer always checkpoints its last step)."""
     return load_checkpoint(list_checkpoints(checkpoint_dir)[0])["model"]  # newest first

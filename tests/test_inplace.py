@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from fault_helpers import Launch, children, descendants, running, wait_until
-from helpers import REPO, free_port, read_summary
+from helpers import REPO, assert_identical, free_port, read_summary
 from netns import MASTER_ADDR, Host
 
 USER_CODE = REPO / "tests" / "user_code"
@@ -419,27 +419,12 @@ def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():
         maker.join()
     sender, receiver = _StateOverGroup(groups[0]), _StateOverGroup(groups[1])
 
-    def same(got, want, where="state") -> None:
-        assert type(got) is type(want), where
-        if isinstance(want, torch.Tensor):
-            assert (got.dtype, got.shape) == (want.dtype, want.shape) and torch.equal(got, want), where
-        elif isinstance(want, dict):
-            assert list(got) == list(want), where
-            for key in want:
-                same(got[key], want[key], f"{where}[{key!r}]")
-        elif isinstance(want, (list, tuple)):
-            assert len(got) == len(want), where
-            for n, (a, b) in enumerate(zip(got, want)):
-                same(a, b, f"{where}[{n}]")
-        else:
-            assert got == want, where
-
     for step in (41, 42):
         send = threading.Thread(target=sender.send_checkpoint, args=([1], step, state(), timedelta(seconds=30)))
         send.start()
         got = receiver.recv_checkpoint(0, "process-group", step, timedelta(seconds=30))
         send.join()
-        same(got, state())
+        assert_identical(got, state(), "state", same_types=True)
         assert receiver.moved_bytes == sender.moved_bytes > 64 * 33 * 4 * 2
 
 

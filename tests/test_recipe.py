@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import (
     BAD_INPUT_TIMEOUT_S,
+    assert_identical,
     assert_usage_error,
     clean_env,
     dirs_args,
@@ -55,22 +56,6 @@ def everything_run(tmp_path_factory):
 
 def newest(checkpoint_dir: Path) -> dict:
     return load_checkpoint(list_checkpoints(checkpoint_dir)[0])
-
-
-def assert_identical(a, b, where: str = "") -> None:
-    """Every tensor of two nested states bit-identical."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_identical(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a} != {b}"
 
 
 @pytest.mark.slow
