@@ -387,26 +387,29 @@ def _skeleton(value, tensors: list):
     and all: torch.save sends those."""
     import torch
 
-    if _movable(value):
-        tensors.append(value)
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    if type(value) in (dict, OrderedDict):
-        return type(value)((k, _skeleton(v, tensors)) for k, v in value.items())
-    if type(value) in (list, tuple):
-        return type(value)(_skeleton(v, tensors) for v in value)
-    return value
+    def meta(tensor):
+        tensors.append(tensor)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    return _replaced(value, _movable, meta)
 
 
 def _filled(value, receive: Callable):
     """The inverse of _skeleton: each meta tensor replaced by receive(meta), in the same order."""
     import torch
 
-    if isinstance(value, torch.Tensor) and value.is_meta:
-        return receive(value)
+    return _replaced(value, lambda v: isinstance(v, torch.Tensor) and v.is_meta, receive)
+
+
+def _replaced(value, chosen: Callable, replace: Callable):
+    """value with replace(leaf) for each leaf chosen(leaf) in its dicts, OrderedDicts, lists and tuples (walked
+    in order; other containers are leaves)."""
+    if chosen(value):
+        return replace(value)
     if type(value) in (dict, OrderedDict):
-        return type(value)((k, _filled(v, receive)) for k, v in value.items())
+        return type(value)((k, _replaced(v, chosen, replace)) for k, v in value.items())
     if type(value) in (list, tuple):
-        return type(value)(_filled(v, receive) for v in value)
+        return type(value)(_replaced(v, chosen, replace) for v in value)
     return value
 
 
