@@ -196,6 +196,12 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
     # The same job without faults on the restart path, two processes under DistributedDataParallel, trains the very
     # same micro-batches (in place, the shares of the lost host were trained by the survivor): the same weights and
     # optimizer state, to the bit.
+    assert_trained_as_without_faults(trained, tmp_path, launches)
+
+
+def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: list) -> None:
+    """The final model and optimizer state of an in-place job equal those of the same job trained by two processes
+    under DistributedDataParallel on the restart path, without a fault."""
     alone = tmp_path / "alone"
     alone.mkdir()
     reference = Launch([str(USER_CODE / "inplace_loop.py"), "--out", str(alone), "--samples", str(SAMPLES)], alone,
@@ -382,6 +388,85 @@ def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tm
     assert not (checkpoints / f"step-{step:08d}.pt").exists()  # the frozen write was never committed
     assert not list(checkpoints.glob(".tmp-*"))
     assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+def slow_starter(hosts, tmp_path: Path, port: int, launches: list, samples: int) -> tuple[Launch, Launch, int, Path,
+                                                                                        int]:
+    """The first host trains alone (the lighthouse apart, as compose's service runs it); the second starts once
+    there is a checkpoint, resumes from it and waits before its first step until the test creates the returned file:
+    (the first, the second, the second's worker, that file, the step the second resumed from)."""
+    standalone_lighthouse(hosts[0], port, tmp_path)
+    first = host(tmp_path, port, "hostA", hosts[0], samples=samples)
+    launches.append(first)
+    wait_until(lambda: any((tmp_path / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
+               f"a checkpoint\n{first.output()[-3000:]}")
+    go = tmp_path / "go"
+    second = host(tmp_path, port, "hostB", hosts[1], "--start-when", str(go), samples=samples)
+    launches.append(second)
+    found = wait_until(lambda: re.search(r"starting at step (\d+)", second.output()), RUN_BOUND_S,
+                       f"the second host resumed\n{second.output()[-3000:]}")
+    return first, second, worker_pid(second), go, int(found.group(1))
+
+
+def committed(directory: Path) -> dict[str, int]:
+    """The committed checkpoints and summary.json: {name: mtime_ns}."""
+    return {p.name: p.stat().st_mtime_ns for p in [*directory.glob("checkpoints/step-*.pt"),
+                                                    *directory.glob("runs/summary.json")]}
+
+
+@pytest.mark.slow
+def test_a_host_started_again_as_the_job_finishes_trains_nothing_and_writes_nothing(hosts, tmp_path, launches):
+    """The second host resumes from a checkpoint and, before its first step, the first trains to the end, writes
+    the last checkpoint and summary.json, and leaves. The second's first quorum has it alone, behind the job's newest
+    checkpoint: it goes on from there, the job's end, and leaves with "nothing to do", the finished run's files as
+    they were."""
+    samples = 3200  # 100 steps
+    first, second, worker, go, resumed = slow_starter(hosts, tmp_path, free_port(), launches, samples)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    finished = committed(tmp_path)
+    steps = samples // 2 // SHARE_BATCH
+    assert resumed < steps and f"step-{steps:08d}.pt" in finished and "summary.json" in finished, finished
+    go.touch()
+    assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
+    output = second.output()
+    assert (f"in place: the hosts here were at step {resumed}, and the job committed step {steps} without them "
+            f"(the hosts that trained it have left): going on from {tmp_path / 'checkpoints'}/step-{steps:08d}.pt"
+            ) in output, output[-4000:]
+    assert f"nothing to do: {tmp_path / 'checkpoints'}/step-{steps:08d}.pt is at step {steps}" in output, output
+    assert not seen(tmp_path).get(worker), "the second host trained steps again"
+    assert committed(tmp_path) == finished and not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_host_whose_peers_trained_on_and_were_lost_while_it_started_goes_on_from_their_newest_checkpoint(
+        hosts, tmp_path, launches):
+    """As above, but the first host is killed mid-run, well past the step the second resumed from: the second,
+    alone, goes on from the newest checkpoint (not the one it loaded), and the job ends with the weights of the
+    same job trained without a fault (the steps after that checkpoint, whose state was lost with the host, are
+    trained again from it)."""
+    first, second, worker, go, resumed = slow_starter(hosts, tmp_path, free_port(), launches, SAMPLES)
+    checkpoints = tmp_path / "checkpoints"
+
+    def newest() -> int:
+        return max((int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt")), default=0)
+    wait_until(lambda: newest() >= resumed + 20, RUN_BOUND_S, f"the first host further\n{first.output()[-3000:]}")
+    lost = list(first.workers().values())
+    os.kill(first.pid, signal.SIGKILL)
+    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
+    last = newest()
+    go.touch()
+    assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
+    output = second.output()
+    assert (f"in place: the hosts here were at step {resumed}, and the job committed step {last} without them"
+            ) in output, output[-4000:]
+    steps = SAMPLES // 2 // SHARE_BATCH
+    assert sorted(seen(tmp_path)[worker]) == list(range(last + 1, steps + 1))
+    # Every step once, but those the lost host trained after its last checkpoint (at most the cadence's 10, and
+    # the one in flight): their state was lost with it.
+    check_the_order(tmp_path, worker, steps, losses=11)
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+    assert_trained_as_without_faults(newest_checkpoint(checkpoints), tmp_path, launches)
 
 
 def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():

@@ -7,11 +7,13 @@ these that every sample of the epoch was trained on exactly once across the worl
 processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
-                   [--epochs E] [--validate S] [--ballast-mb M]
+                   [--epochs E] [--validate S] [--ballast-mb M] [--start-when FILE]
 
 --validate S: after each epoch, "validating" on stderr, then a validation that takes about S seconds (this host's
 own: under in-place recovery every host validates the whole set). --ballast-mb M: M MiB more in every checkpoint
-(and in the state a returning host gets), so that a checkpoint takes a while to write.
+(and in the state a returning host gets), so that a checkpoint takes a while to write. --start-when FILE: between
+run.resume() and the first step, "starting at step N" on stderr, then a wait until FILE exists (a start as slow as a
+model's build or compile can be, as long as a test needs it).
 """
 
 import argparse
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--validate", type=float, default=0.0, help="seconds a validation takes (0: none)")
     parser.add_argument("--ballast-mb", type=int, default=0, help="MiB more in every checkpoint")
+    parser.add_argument("--start-when", help="a slow start: the first step waits until this file exists")
     args = parser.parse_args()
     out = args.out
 
@@ -54,6 +57,10 @@ def main() -> None:
                             worker_init_fn=loader_worker if args.workers else None)
         extra = {"ballast": Ballast(args.ballast_mb)} if args.ballast_mb else {}
         run.resume(model=model, optimizer=optimizer, **extra)
+        if args.start_when:
+            print(f"starting at step {run.step_count}", file=sys.stderr, flush=True)
+            while not os.path.exists(args.start_when):
+                time.sleep(0.1)
         val = Numbered(64)
         val_loader = DataLoader(val, batch_size=16)
         pending = None  # (step, world size, indices) of the step in flight: written once it committed

@@ -34,6 +34,7 @@ from trainer.checkpoint.store import (
     sees_marker,
     set_aside_after,
 )
+from trainer.config.resume import NAME, list_checkpoints
 from trainer.config.settings import ELASTIC_WORLD_ENV
 from trainer.core.errors import Diverged, EchoedUsageError, Fenced, UsageError
 from trainer.parallel import collectives
@@ -213,6 +214,27 @@ class Checkpointer:
         self._live = {}
         self._found = None  # the objects hold their own copies now
         self.last_committed = state["global_step"]
+        self.resumed_path = path
+        return position
+
+    def newer_than(self, step: int) -> Position | None:
+        """In place: the objects, RNG and position from the newest committed checkpoint, where it is past `step` (the
+        hosts that trained further left before this host's quorum: no live peer holds their state); else None. Rank
+        0 looks and reads, every rank gets the same."""
+        def find():
+            listed = list_checkpoints(self.directory)
+            newest = NAME.match(listed[0].name) if listed else None
+            if newest is None or int(newest.group(1)) <= step:  # the common case: a name, not a load
+                return None
+            found = load_for_resume(self.directory, "auto")
+            return found if found is not None and found[0]["global_step"] > step else None
+
+        found = collectives.on_main_then_share(self.ctx, find)
+        if found is None:
+            return None
+        state, path = found
+        position = self.put_back(state, path)
+        self.last_committed = self.last_requested = position.step  # on disk already: nothing to write again
         self.resumed_path = path
         return position
 

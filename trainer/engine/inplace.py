@@ -70,14 +70,15 @@ class InPlace:
     run's: the checkpoint dict at the current position, and putting one back (Run provides them)."""
 
     def __init__(self, ctx: DistContext, env, collective_timeout_s: float, checkpoint_dir: str,
-                 state: Callable[[], dict], load: Callable[[dict], None]):
-        self.ctx, self.state, self.load = ctx, state, load
+                 state: Callable[[], dict], load: Callable[[dict], None], newer: Callable[[], int | None]):
+        self.ctx, self.state, self.load, self.newer = ctx, state, load, newer
         self.largest = int(env[INPLACE_WORLD_ENV])
         self.lighthouse = env[LIGHTHOUSE_ENV].strip()
         self.generation_file = Path(checkpoint_dir) / GENERATION_FILE
         self.quorum: tuple[int, int, int] | None = None  # (generation, replica rank, replicas) this process is in
         self.shares: list[int] = []
         self.healed = False       # this step began with the state of a peer
+        self.reloaded = False     # this step began with the newest checkpoint, the hosts here being behind it
         self.trained = False      # this process committed a step (a healed one that had: fenced)
         self.abandoned = 0        # steps abandoned since the last commit
         self.lost_at: float | None = None
@@ -155,6 +156,12 @@ class InPlace:
         replicas, replica = self.manager.num_participants(), self.manager.participating_rank()
         quorum = (self.group.generation, replica or 0, replicas)
         changed = quorum != self.quorum or self.healed
+        # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
+        # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
+        step = self.newer() if changed else None
+        if step is not None:
+            self.set_step(step)
+            self.reloaded = True
         self.step_began = time.perf_counter()
         if quorum != self.quorum:
             nproc = self.ctx.topology.local_world_size
@@ -197,9 +204,18 @@ class InPlace:
 
         params = [p for p in parameters if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        # One more element: how many hosts began this step from the newest checkpoint. Each read it on its own, and
+        # one that read a newer one than another's would train from another state: such a step is abandoned, and
+        # the next quorum heals every host to the furthest (torchft compares their steps).
+        reloaded = grads[0].new_full((1,), float(self.reloaded)) if grads else torch.tensor([float(self.reloaded)])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), reloaded])
         # The host's own DistributedDataParallel has averaged over its processes: x processes / largest world.
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        reloads, flat = flat[-1].item(), flat[:-1]
+        self.reloaded = False
+        if reloads and self.manager.num_participants() > 1:
+            self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
+                                                   "to the furthest of them first"))
         flat.mul_(self.ctx.topology.local_world_size / self.largest)
         try:
             committed = self.manager.should_commit()
@@ -447,6 +463,8 @@ def steps(run, batches: Iterable) -> Iterator[Iterator]:
     source = None
     while not run._ended and run.position.batch // accum < per_epoch:
         if replicas.begin_step() or source is None:
+            if run._ended:  # the newest checkpoint is the job's end: it finished without this host
+                return
             sampler.train_shares(replicas.shares, accum)
             sampler.set_epoch(run.position.epoch, run.position.batch, sampler.stop_batch)
             source = iter(run.observers.batches(batches))

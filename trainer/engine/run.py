@@ -118,6 +118,8 @@ class Run:
         self._ended = False      # the last step (max_steps, or the planned total) is done
         self._epoch_start = time.perf_counter()
         self._ended_mid_epoch = False
+        self._ended_elsewhere = False  # in place: hosts that left committed the last step before this one's quorum
+        self._epoch_count: int | None = None  # run.epochs()'s, while it runs
         self._finished: int | None = None
         # torchvision's reference recipe: the average of --model-ema (made in resume()), mixup and cutmix.
         self.ema: ModelEma | None = None
@@ -158,7 +160,7 @@ class Run:
                              f"{what}, and in-place recovery replicates whole models, summing gradients every step",
                              "set RECOVERY=restart for this job (trainer-launch then restarts the workers on a change)")
         replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
-                                   self._replica_state, self._from_replica)
+                                   self._replica_state, self._from_replica, self._from_newer_checkpoint)
         self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
         self.checkpointer.shared_claim = True
         return replicas
@@ -169,6 +171,28 @@ class Run:
 
     def _from_replica(self, state: dict) -> None:
         self.position = self.checkpointer.put_back(state, Path("a live peer's state"))
+
+    def _from_newer_checkpoint(self) -> int | None:
+        """A quorum of hosts all behind the job's newest checkpoint (the hosts that trained further left before it:
+        a host that started again as the others finished): go on from that checkpoint, as a restart would, not from
+        the older one this host loaded (its steps would be trained twice). The step it is at, or None."""
+        behind = self.position.step
+        position = self.checkpointer.newer_than(behind)
+        if position is None:
+            return None
+        self.position, self.resumed_from = position, position.step
+        if self.ctx.is_local_main:
+            log.info("in place: the hosts here were at step %d, and the job committed step %d without them (the "
+                     "hosts that trained it have left): going on from %s", behind, position.step,
+                     self.checkpointer.resumed_path)
+        if self._past_the_end():  # the job is done: nothing to train, write or validate
+            self._ended = self._ended_elsewhere = True
+        return position.step
+
+    def _past_the_end(self) -> bool:
+        total = self.total_steps
+        return (total is not None and self.position.step >= total) or \
+            (self._epoch_count is not None and self.position.epoch >= self._epoch_count)
 
     def _for_this_device(self, config: TrainConfig) -> TrainConfig:
         """amp as this device runs it, decided once (the optimizer and the checkpoint follow it)."""
@@ -530,6 +554,7 @@ class Run:
             self._epochs = count
         self._start("run.epochs()")
         count = self._epochs if self._epochs is not None else self.settings.epochs
+        self._epoch_count = count
         while self.position.epoch < count:  # the position's: under in-place recovery a peer's state may move it on
             if self._ended:
                 return
@@ -618,8 +643,9 @@ class Run:
 
     @property
     def ended_mid_epoch(self) -> bool:
-        """The run's last step (max_steps) came before its epoch's end."""
-        return self._ended_mid_epoch
+        """The run's last step (max_steps) came before its epoch's end (or, in place, was committed by hosts that left
+        before this one trained: nothing of the epoch's end is this host's to do)."""
+        return self._ended_mid_epoch or self._ended_elsewhere
 
     def _check_weights(self, step: int) -> None:
         for model in self.checkpointer.objects.modules.values():
@@ -713,7 +739,7 @@ class Run:
             if self.checkpointer.last_requested != self.position.step:
                 self.save()
             self.checkpointer.wait()  # the last one committed before the summary says so
-            if self._inplace is not None and not self.stopped and self._ended:
+            if self._inplace is not None and not self.stopped and self._ended and not self._ended_elsewhere:
                 self._inplace_last_commit()
         self._supervised.close()
         self.observers.close()
