@@ -78,15 +78,19 @@ def seen(out: Path) -> dict[int, dict[int, list[tuple[int, list[int]]]]]:
 
 
 def check_the_order(out: Path, survivor: int, steps: int, largest: int = 2, samples: int = SAMPLES,
-                    epochs: int = 1, losses: int = 1) -> None:
+                    epochs: int = 1, losses: int = 1, lost_after: dict[int, int] | None = None) -> None:
     """Every step of the run was trained, once: each line of each host is one or more share micro-batches of that
     step (the shares of the largest world, in torch's sampler order), no sample twice in a step, and a step's lines
     from as many ranks as its world size hold all of its samples. The survivor trained every step from the one it
     joined at to the end. A host lost just after a commit may have had no time to write its line: at most `losses`
-    steps lack one (test 1's equal weights show that nothing was missing from the training)."""
+    steps lack one (test 1's equal weights show that nothing was missing from the training). lost_after: {pid: step}
+    of hosts lost with no live peer, whose steps after their last checkpoint were trained again from it: those
+    lines of theirs are not the job's."""
     per_epoch = samples // largest // SHARE_BATCH
     orders = {e: shares_order(samples, largest, e) for e in range(epochs)}
     records = seen(out)
+    for pid, last in (lost_after or {}).items():
+        records[pid] = {step: lines for step, lines in records.get(pid, {}).items() if step <= last}
     mine = sorted(records[survivor])
     assert mine == list(range(mine[0], steps + 1)), (mine[:5], len(mine))
     lines: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
@@ -462,11 +466,55 @@ def test_a_host_whose_peers_trained_on_and_were_lost_while_it_started_goes_on_fr
             ) in output, output[-4000:]
     steps = SAMPLES // 2 // SHARE_BATCH
     assert sorted(seen(tmp_path)[worker]) == list(range(last + 1, steps + 1))
-    # Every step once, but those the lost host trained after its last checkpoint (at most the cadence's 10, and
-    # the one in flight): their state was lost with it.
-    check_the_order(tmp_path, worker, steps, losses=11)
+    # Every step once, but those the lost host trained after its last checkpoint: their state was lost with it.
+    check_the_order(tmp_path, worker, steps, lost_after={pid: last for pid in lost})
     assert read_summary(tmp_path / "runs")["status"] == "completed"
     assert_trained_as_without_faults(newest_checkpoint(checkpoints), tmp_path, launches)
+
+
+@pytest.mark.slow
+def test_hosts_that_each_go_on_from_the_newest_checkpoint_abandon_that_step_and_go_on_together(hosts, tmp_path,
+                                                                                                launches):
+    """Three hosts at most: the first trains alone; two more start and resume, and wait before their first step
+    while the first trains on and is killed. Their first quorum has both behind the newest checkpoint: each goes on
+    from it (each read it on its own), they abandon that step (so that none trains from another's state), and
+    train on together to the end, every step once but the lost host's after its last checkpoint."""
+    port, samples = free_port(), 9600  # 200 steps of three shares
+    standalone_lighthouse(hosts[0], port, tmp_path)
+    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, hosts="1:3")
+    launches.append(first)
+    checkpoints = tmp_path / "checkpoints"
+    wait_until(lambda: any(checkpoints.glob("step-*.pt")), RUN_BOUND_S, f"a checkpoint\n{first.output()[-3000:]}")
+    go = tmp_path / "go"
+    others = [host(tmp_path, port, f"host{n}", hosts[1], "--start-when", str(go), samples=samples, hosts="1:3")
+              for n in "BC"]
+    launches.extend(others)
+    resumed = [int(wait_until(lambda o=o: re.search(r"starting at step (\d+)", o.output()), RUN_BOUND_S,
+                              f"{o.log_path.name} resumed\n{o.output()[-3000:]}").group(1)) for o in others]
+    pids = [worker_pid(o) for o in others]
+
+    def newest() -> int:
+        return max((int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt")), default=0)
+    wait_until(lambda: newest() >= max(resumed) + 20, RUN_BOUND_S, f"the first host further\n{first.output()[-3000:]}")
+    lost = list(first.workers().values())
+    os.kill(first.pid, signal.SIGKILL)
+    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
+    last = newest()
+    go.touch()
+    for other in others:
+        assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
+        output = other.output()
+        # Where the two resumed from different checkpoints, torchft healed the one behind from the other first.
+        assert (f"in place: the hosts here were at step {max(resumed)}, and the job committed step {last} without them"
+                ) in output, output[-4000:]
+        assert re.search(rf"in place: step {last + 1} abandoned after [\d.]+ s \(a host here began it from the newest "
+                         r"checkpoint: the hosts heal to the furthest of them first\)", output), output[-4000:]
+        assert generations(output)[-1][1] == 2, generations(output)
+    steps = samples // 3 // SHARE_BATCH
+    for pid in pids:
+        assert sorted(seen(tmp_path)[pid]) == list(range(last + 1, steps + 1))
+    check_the_order(tmp_path, pids[0], steps, largest=3, samples=samples, lost_after={pid: last for pid in lost})
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
 def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():

@@ -9,7 +9,8 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
                 group across the hosts (a new generation of torchft's reconfigurable gloo group on the first host's
                 store). A host behind (returned, or new) gets the state from a live peer over that group before the
                 step: the checkpoint dict of trainer.checkpoint, its structure sent with torch.save and read with
-                weights_only=True, its tensors as they are in memory (_StateOverGroup).
+                weights_only=True, its tensors as they are in memory (_StateOverGroup). Hosts all behind the job's
+                newest committed checkpoint (those that trained further left while they started) go on from it.
   shares        the ranks of the job's largest world this rank trains now (trainer.data.sampling): a host away, its
                 share of the global batch is trained by those here, in micro-batches of the same size, so every step
                 trains the same samples in the same micro-batches whatever the membership.
@@ -156,12 +157,6 @@ class InPlace:
         replicas, replica = self.manager.num_participants(), self.manager.participating_rank()
         quorum = (self.group.generation, replica or 0, replicas)
         changed = quorum != self.quorum or self.healed
-        # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
-        # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
-        step = self.newer() if changed else None
-        if step is not None:
-            self.set_step(step)
-            self.reloaded = True
         self.step_began = time.perf_counter()
         if quorum != self.quorum:
             nproc = self.ctx.topology.local_world_size
@@ -182,6 +177,12 @@ class InPlace:
             if replica == 0 and self.ctx.is_local_main:
                 self._write_generation(quorum[0])
             self.quorum = quorum
+        # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
+        # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
+        step = self.newer() if changed else None
+        if step is not None:
+            self.set_step(step)
+            self.reloaded = True
         return changed
 
     @property
