@@ -128,9 +128,13 @@ def the_writer(*hosts: Launch) -> tuple[Launch, Launch] | None:
     return None if first is None else (first, next(h for h in hosts if h is not first))
 
 
+def newest_step(directory: Path) -> int:
+    """The step of the newest checkpoint in `directory` (0: none yet)."""
+    return max((int(p.stem.split("-")[1]) for p in directory.glob("step-*.pt")), default=0)
+
+
 def newest_checkpoint(directory: Path) -> dict:
-    newest = max(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return torch.load(newest, map_location="cpu", weights_only=True)
+    return torch.load(directory / f"step-{newest_step(directory):08d}.pt", map_location="cpu", weights_only=True)
 
 
 def workers(launch: Launch) -> list[int]:
@@ -394,22 +398,36 @@ def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tm
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
-def slow_starter(hosts, tmp_path: Path, port: int, launches: list, samples: int) -> tuple[Launch, Launch, int, Path,
-                                                                                        int]:
-    """The first host trains alone (the lighthouse apart, as compose's service runs it); the second starts once
-    there is a checkpoint, resumes from it and waits before its first step until the test creates the returned file:
-    (the first, the second, the second's worker, that file, the step the second resumed from)."""
+def slow_starters(hosts, tmp_path: Path, port: int, launches: list, samples: int, late: str = "B",
+                  most: str = "1:2") -> tuple[Launch, Path, list[tuple[Launch, int, int]]]:
+    """The first host trains alone (the lighthouse apart, as compose's service runs it); the hosts named in `late`
+    start once there is a checkpoint, resume from it and wait before their first step until the test creates the
+    returned file: (the first, that file, [(a late host, its worker, the step it resumed from)])."""
     standalone_lighthouse(hosts[0], port, tmp_path)
-    first = host(tmp_path, port, "hostA", hosts[0], samples=samples)
+    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, hosts=most)
     launches.append(first)
-    wait_until(lambda: any((tmp_path / "checkpoints").glob("step-*.pt")), RUN_BOUND_S,
-               f"a checkpoint\n{first.output()[-3000:]}")
+    wait_until(lambda: newest_step(tmp_path / "checkpoints"), RUN_BOUND_S, f"a checkpoint\n{first.output()[-3000:]}")
     go = tmp_path / "go"
-    second = host(tmp_path, port, "hostB", hosts[1], "--start-when", str(go), samples=samples)
-    launches.append(second)
-    found = wait_until(lambda: re.search(r"starting at step (\d+)", second.output()), RUN_BOUND_S,
-                       f"the second host resumed\n{second.output()[-3000:]}")
-    return first, second, worker_pid(second), go, int(found.group(1))
+    others = [host(tmp_path, port, f"host{n}", hosts[1], "--start-when", str(go), samples=samples, hosts=most)
+              for n in late]
+    launches.extend(others)
+    started = []
+    for other in others:
+        found = wait_until(lambda o=other: re.search(r"starting at step (\d+)", o.output()), RUN_BOUND_S,
+                           f"{other.log_path.name} resumed\n{other.output()[-3000:]}")
+        started.append((other, worker_pid(other), int(found.group(1))))
+    return first, go, started
+
+
+def lose_the_first(first: Launch, checkpoints: Path, past: int) -> tuple[list[int], int]:
+    """SIGKILL the first host once it has checkpointed 20 steps past `past`: (its workers, the newest checkpoint's
+    step once they are gone)."""
+    wait_until(lambda: newest_step(checkpoints) >= past + 20, RUN_BOUND_S,
+               f"the first host further\n{first.output()[-3000:]}")
+    lost = list(first.workers().values())
+    os.kill(first.pid, signal.SIGKILL)
+    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
+    return lost, newest_step(checkpoints)
 
 
 def committed(directory: Path) -> dict[str, int]:
@@ -425,7 +443,7 @@ def test_a_host_started_again_as_the_job_finishes_trains_nothing_and_writes_noth
     checkpoint: it goes on from there, the job's end, and leaves with "nothing to do", the finished run's files as
     they were."""
     samples = 3200  # 100 steps
-    first, second, worker, go, resumed = slow_starter(hosts, tmp_path, free_port(), launches, samples)
+    first, go, [(second, worker, resumed)] = slow_starters(hosts, tmp_path, free_port(), launches, samples)
     assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
     finished = committed(tmp_path)
     steps = samples // 2 // SHARE_BATCH
@@ -449,16 +467,9 @@ def test_a_host_whose_peers_trained_on_and_were_lost_while_it_started_goes_on_fr
     alone, goes on from the newest checkpoint (not the one it loaded), and the job ends with the weights of the
     same job trained without a fault (the steps after that checkpoint, whose state was lost with the host, are
     trained again from it)."""
-    first, second, worker, go, resumed = slow_starter(hosts, tmp_path, free_port(), launches, SAMPLES)
+    first, go, [(second, worker, resumed)] = slow_starters(hosts, tmp_path, free_port(), launches, SAMPLES)
     checkpoints = tmp_path / "checkpoints"
-
-    def newest() -> int:
-        return max((int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt")), default=0)
-    wait_until(lambda: newest() >= resumed + 20, RUN_BOUND_S, f"the first host further\n{first.output()[-3000:]}")
-    lost = list(first.workers().values())
-    os.kill(first.pid, signal.SIGKILL)
-    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
-    last = newest()
+    lost, last = lose_the_first(first, checkpoints, resumed)
     go.touch()
     assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
     output = second.output()
@@ -479,27 +490,10 @@ def test_hosts_that_each_go_on_from_the_newest_checkpoint_abandon_that_step_and_
     while the first trains on and is killed. Their first quorum has both behind the newest checkpoint: each goes on
     from it (each read it on its own), they abandon that step (so that none trains from another's state), and
     train on together to the end, every step once but the lost host's after its last checkpoint."""
-    port, samples = free_port(), 9600  # 200 steps of three shares
-    standalone_lighthouse(hosts[0], port, tmp_path)
-    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, hosts="1:3")
-    launches.append(first)
-    checkpoints = tmp_path / "checkpoints"
-    wait_until(lambda: any(checkpoints.glob("step-*.pt")), RUN_BOUND_S, f"a checkpoint\n{first.output()[-3000:]}")
-    go = tmp_path / "go"
-    others = [host(tmp_path, port, f"host{n}", hosts[1], "--start-when", str(go), samples=samples, hosts="1:3")
-              for n in "BC"]
-    launches.extend(others)
-    resumed = [int(wait_until(lambda o=o: re.search(r"starting at step (\d+)", o.output()), RUN_BOUND_S,
-                              f"{o.log_path.name} resumed\n{o.output()[-3000:]}").group(1)) for o in others]
-    pids = [worker_pid(o) for o in others]
-
-    def newest() -> int:
-        return max((int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt")), default=0)
-    wait_until(lambda: newest() >= max(resumed) + 20, RUN_BOUND_S, f"the first host further\n{first.output()[-3000:]}")
-    lost = list(first.workers().values())
-    os.kill(first.pid, signal.SIGKILL)
-    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
-    last = newest()
+    samples = 9600  # 200 steps of three shares
+    first, go, started = slow_starters(hosts, tmp_path, free_port(), launches, samples, late="BC", most="1:3")
+    others, pids, resumed = (list(column) for column in zip(*started))
+    lost, last = lose_the_first(first, tmp_path / "checkpoints", max(resumed))
     go.touch()
     for other in others:
         assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
