@@ -511,6 +511,100 @@ def test_hosts_that_each_go_on_from_the_newest_checkpoint_abandon_that_step_and_
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
+def builtin_host(out: Path, port: int, name: str, where: Host, *args: str) -> Launch:
+    """The built-in loop on one host of an in-place job, slow enough for others to try to join it."""
+    return Launch(["--model", "cnn", "--synthetic-size", "20000", "--epochs", "1",
+                   "--checkpoint-every", "20", "--log-every", "20", "--checkpoint-dir", str(out / "checkpoints"),
+                   "--log-dir", str(out / "runs"), *args], out, inplace_env(port, where), name=name, prefix=where.prefix)
+
+
+def first_checkpoint(launch: Launch, checkpoints: Path) -> None:
+    wait_until(lambda: newest_step(checkpoints) or launch.proc.poll() is not None, RUN_BOUND_S,
+               f"a checkpoint\n{launch.output()[-3000:]}")
+    assert launch.proc.poll() is None, launch.output()[-3000:]
+
+
+def refused(launch: Launch) -> list[str]:
+    """The one error line of a launcher that must exit 2 (a worker's usage error adds the agent's own after it)."""
+    assert launch.wait(120) == 2, launch.output()[-3000:]
+    return [line for line in launch.output().splitlines() if line.startswith("error: ")
+            and not line.startswith("error: training failed: ")]
+
+
+@pytest.mark.slow
+def test_a_second_in_place_job_on_the_same_checkpoint_directory_is_refused(hosts, tmp_path, launches):
+    """Two jobs (two lighthouses) on one --checkpoint-dir would resume each other's checkpoints. The built-in loop's
+    directory is known to the launcher: refused before any worker starts; a script's, by its first worker, before its
+    first quorum. Either way one line naming the directory and the job that holds it, exit 2; the first job goes on
+    alone and its checkpoints are its own."""
+    first_port, other_port = free_port(), free_port()
+    first = builtin_host(tmp_path, first_port, "jobA", hosts[0])
+    launches.append(first)
+    checkpoints = tmp_path / "checkpoints"
+    first_checkpoint(first, checkpoints)
+    holder = f"the in-place job of the lighthouse at http://{MASTER_ADDR}:{first_port}, first taken by pid {first.pid}"
+    other = builtin_host(tmp_path, other_port, "jobB", hosts[0], "--lr", "0.05")
+    launches.append(other)
+    (line,) = refused(other)
+    assert line.startswith(f"error: --checkpoint-dir: {checkpoints} is in use by another run ({holder} on "), line
+    assert "+ torchrun" not in other.output()  # refused before any worker started
+    script = host(tmp_path, other_port, "jobB-script", hosts[0])
+    launches.append(script)
+    (line,) = refused(script)
+    assert line.startswith(f"error: checkpoint_dir: {checkpoints} is in use by another run ({holder} on "), line
+    assert not list(tmp_path.glob("seen-*"))  # the script's worker trained nothing
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-3000:]
+    assert all(size == 1 for _, size in generations(first.output()))
+    assert newest_checkpoint(checkpoints)["config"]["lr"] == 0.1  # job A's, not job B's
+
+
+@pytest.mark.slow
+def test_a_host_with_other_settings_is_refused_naming_them_and_the_job_goes_on_without_it(hosts, tmp_path, launches):
+    """A host healed from a peer trains the peer's state: with another schedule, seed, learning rate or recipe it would
+    train something else than it says (another model is refused as another checkpoint's: check_resume, or below for a
+    script's own). Each is refused before its first quorum,
+    in one line naming what differs and both values, exit 2; the job trains on alone, undisturbed."""
+    port = free_port()
+    first = builtin_host(tmp_path, port, "hostA", hosts[0])
+    launches.append(first)
+    checkpoints = tmp_path / "checkpoints"
+    first_checkpoint(first, checkpoints)
+    job = f"the in-place job it joins (its lighthouse at http://{MASTER_ADDR}:{port}) has"
+    for args, differs in [(["--epochs", "2"], "--epochs: this host has --epochs 2; {job} --epochs 1"),
+                          (["--seed", "1", "--lr", "0.05"], "--lr, --seed: this host has --lr 0.05, --seed 1; {job} "
+                                                            "--lr 0.1, --seed 0"),
+                          (["--label-smoothing", "0.1"], "--label-smoothing: this host has --label-smoothing 0.1; {job} "
+                                                         "--label-smoothing 0.0")]:
+        joining = builtin_host(tmp_path, port, f"host{args[0]}", hosts[1], *args)
+        launches.append(joining)
+        assert refused(joining) == [f"error: {differs.format(job=job)} (every host of an in-place job trains with "
+                                    "the same settings: start this host with the job's settings, or stop every host "
+                                    "and start the job again with the new ones, which a resume applies)"]
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-3000:]
+    assert [size for _, size in generations(first.output())] == [1], generations(first.output())
+
+
+@pytest.mark.slow
+def test_a_script_whose_model_does_not_fit_the_jobs_is_refused_naming_it(hosts, tmp_path, launches):
+    """A script's model is its own code: its tensors' layout is compared, not a flag. Before the job's first checkpoint
+    (after it, a resume would not fit either): such a host used to join the quorum and fail its heal."""
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0], "--checkpoint-every", "100000")
+    launches.append(first)
+    wait_until(lambda: generations(first.output()), RUN_BOUND_S, f"training\n{first.output()[-3000:]}")
+    joining = host(tmp_path, port, "hostB", hosts[1], "--hidden", "32", "--checkpoint-every", "100000")
+    launches.append(joining)
+    (line,) = refused(joining)
+    assert re.fullmatch(r"error: model \(its state_dict\): this host has model \(its state_dict\) 4 tensors, 387 "
+                        r"values, layout \w+; the in-place job it joins \(.*\) has model \(its state_dict\) 4 tensors, "
+                        r"195 values, layout \w+ \(.*\)", line), line
+    assert not newest_step(tmp_path / "checkpoints")  # the check did not rest on a checkpoint
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-3000:]
+
+
 def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():
     """The transport of a heal (trainer.engine.inplace._StateOverGroup): the structure through torch.save, each tensor
     as its bytes. Every kind of value a checkpoint holds arrives equal, in the same containers: dtypes of every size,

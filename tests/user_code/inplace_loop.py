@@ -7,7 +7,8 @@ these that every sample of the epoch was trained on exactly once across the worl
 processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
-                   [--epochs E] [--validate S] [--ballast-mb M] [--start-when FILE]
+                   [--epochs E] [--validate S] [--ballast-mb M] [--start-when FILE] [--hidden H]
+                   [--checkpoint-every N]
 
 --validate S: after each epoch, "validating" on stderr, then a validation that takes about S seconds (this host's
 own: under in-place recovery every host validates the whole set). --ballast-mb M: M MiB more in every checkpoint
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--validate", type=float, default=0.0, help="seconds a validation takes (0: none)")
     parser.add_argument("--ballast-mb", type=int, default=0, help="MiB more in every checkpoint")
     parser.add_argument("--start-when", help="a slow start: the first step waits until this file exists")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: another one)")
     args = parser.parse_args()
     out = args.out
 
@@ -46,10 +49,11 @@ def main() -> None:
         open(f"{out}/loader-{os.getppid()}-{os.getpid()}", "w").close()
 
     dataset = Numbered(args.samples)
-    with api.Run(checkpoint_dir=f"{out}/checkpoints", log_dir=f"{out}/runs", checkpoint_every=10,
+    with api.Run(checkpoint_dir=f"{out}/checkpoints", log_dir=f"{out}/runs", checkpoint_every=args.checkpoint_every,
                  log_every=10) as run:
         torch.manual_seed(0)
-        model = run.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+        model = run.wrap(torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.ReLU(),
+                                             torch.nn.Linear(args.hidden, 3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         batch = run.settings.batch_size
         loader = DataLoader(dataset, batch_size=batch, sampler=run.sampler(dataset, batch), drop_last=True,

@@ -21,9 +21,9 @@ from typing import Any, Callable
 from trainer.checkpoint import state as ckpt
 from trainer.checkpoint.sharded import async_save_available
 from trainer.checkpoint.state import Position, Registered
+from trainer.checkpoint.claim import claim, job_settings
 from trainer.checkpoint.store import (
     CheckpointError,
-    claim,
     ensure_output_dir,
     leave_marker,
     load_for_resume,
@@ -103,7 +103,7 @@ class Checkpointer:
         # change with every membership); fence raises trainer.core.errors.Fenced for a host the job went on without.
         self.writes: Callable[[], bool] = lambda: True
         self.fence: Callable[[], None] | None = None
-        self.shared_claim = False  # several hosts of one job claim the directory together (in-place recovery)
+        self.job: str | None = None  # in-place recovery: the job whose hosts hold the directory together
         self._claimed: list = []
         self.saved_position: dict[str, int] | None = None  # what the checkpoint resumed from said
         self.resumed_path: Path | None = None
@@ -137,10 +137,10 @@ class Checkpointer:
             if self.objects is not None:
                 self._check_room()
             try:
-                self._claimed.append(claim(self.directory, shared=self.shared_claim))
+                self._claimed.append(claim(self.directory, job=self.job))
                 # In place, a host that joins follows the job's newest checkpoint, which the running hosts may pass
                 # between its look and this line: what is above its own is theirs, not an abandoned future.
-                if not (self.shared_claim and self.resume == "auto"):
+                if not (self.job is not None and self.resume == "auto"):
                     self._set_aside_abandoned()
             except UsageError as err:
                 raise UsageError(self.labels.checkpoint_dir, *err.parts[1:]) from None
@@ -148,6 +148,10 @@ class Checkpointer:
         collectives.on_main_then_share(self.ctx, prepare)
         if os.environ.get(ELASTIC_WORLD_ENV) and self.ctx.world_size > self.ctx.topology.local_world_size:
             self._check_shared()
+
+    def job_settings(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """In place: the settings of the job that holds the directory (the first host's; `mine` if this is it)."""
+        return job_settings(self.directory, mine)
 
     def _set_aside_abandoned(self) -> None:
         """This run continues the line of the checkpoint it resumes (or starts one, at step 0): the committed

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -22,7 +21,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -34,7 +33,6 @@ from trainer.parallel.context import DistContext
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".lock"
 FULL_DISK_BYTES = 1 << 20  # less free than this: the disk is full, for a checkpoint or a start-up check
 
 
@@ -54,26 +52,6 @@ def ensure_output_dir(path: str, setting: str) -> None:
                          f"point it at a directory uid {os.getuid()} can write, e.g. a mounted volume") from None
     if free < FULL_DISK_BYTES:  # an empty file still fits on a full disk
         raise UsageError(setting, f"'{path}' has {free >> 10} KiB free", "free some space or use a bigger volume")
-
-
-def claim(directory: Path, shared: bool = False) -> IO[str]:
-    """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
-    rotation (each keeps the highest steps) and temp files. Held until the returned file is closed. shared: the
-    hosts of one in-place job each take it, together (a run of another kind still finds it taken)."""
-    lock = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 (held for the run: the caller closes it)
-    try:
-        fcntl.flock(lock, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except OSError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise UsageError("--checkpoint-dir", f"{directory} is in use by another run ({holder})",
-                         "give each run its own --checkpoint-dir") from None
-    if not shared:  # the holders of a shared lock leave its first holder's words
-        lock.truncate(0)
-        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        lock.flush()
-    return lock
 
 
 SHARED_MARKER = ".shared-check-"

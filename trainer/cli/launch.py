@@ -19,15 +19,17 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Mapping, Sequence
 
+from trainer.checkpoint.claim import claim
 from trainer.cluster import lighthouse
 from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env
 from trainer.cluster.topology import Topology
 from trainer.config import launcher
 from trainer.config.launcher import help_table
-from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV,
-                                     REPLICA_ENV, TrainConfig, script_settings)
+from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV,
+                                     REPLICA_ADDR_ENV, REPLICA_ENV, TrainConfig, script_settings)
 from trainer.core.errors import UsageError, exit_on_usage_error, print_error
 
 EPILOG = """
@@ -123,6 +125,9 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
     host, port = job.master_addr, job.master_port
     bound = launch.settings.rdzv_timeout
     started = None
+    identity = lighthouse.identity(host, port)
+    if launch.cfg is not None:  # the built-in loop's directory is known here: another job's is refused now
+        hold_for_the_job(Path(launch.cfg.checkpoint_dir), identity)
     if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
         timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
             script_settings({}, env, job.world_size).collective_timeout
@@ -135,8 +140,23 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
                          f"the lighthouse), or check {', '.join(given)} and the firewall between the hosts; "
                          "RECOVERY=restart takes the restart path instead")
     os.environ.update({LIGHTHOUSE_ENV: lighthouse.url(host, port), INPLACE_WORLD_ENV: str(job.world_size),
-                       REPLICA_ENV: recovery.replica, REPLICA_ADDR_ENV: recovery.local.master_addr})
+                       REPLICA_ENV: recovery.replica, REPLICA_ADDR_ENV: recovery.local.master_addr,
+                       INPLACE_JOB_ENV: identity})
     return started
+
+
+_HELD: list = []  # the checkpoint directory's lock, held by this launcher while it runs (its workers come and go)
+
+
+def hold_for_the_job(directory: Path, identity: str) -> None:
+    """Take the checkpoint directory for this in-place job, with its other hosts (trainer.checkpoint.claim): a
+    directory another job (another lighthouse) or another run holds is one line and exit 2 before any worker starts.
+    A directory that cannot be made is left to the workers, whose checks say why."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    _HELD.append(claim(directory, job=identity))
 
 
 def ensure_master_port_free(topology: Topology) -> None:

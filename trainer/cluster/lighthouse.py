@@ -34,6 +34,16 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def identity(host: str, port: int) -> str:
+    """An in-place job's identity: its lighthouse's URL at the address `host` resolves to (hosts of one job may name
+    the MASTER_ADDR host differently: a name on one, its address on another)."""
+    try:
+        address = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)[0][4][0]
+    except (OSError, IndexError):
+        address = host
+    return url(address, port)
+
+
 def unavailable() -> str | None:
     """Why this host cannot run in place (torchft, the optional `inplace` extra, is not installed); None: it can."""
     if importlib.util.find_spec("torchft") is None:

@@ -315,6 +315,18 @@ LIGHTHOUSE_ENV = "TRAINER_LIGHTHOUSE"
 INPLACE_WORLD_ENV = "TRAINER_INPLACE_WORLD"
 REPLICA_ENV = "TRAINER_REPLICA"
 REPLICA_ADDR_ENV = "TRAINER_REPLICA_ADDR"
+# The in-place job's identity (its lighthouse, at the address MASTER_ADDR resolves to): the processes of one job hold
+# its checkpoint directory together, and another job's are refused there (trainer.checkpoint.claim).
+INPLACE_JOB_ENV = "TRAINER_INPLACE_JOB"
+# The settings that shape what is trained: every host of an in-place job must have the job's (a host healed from a
+# peer trains the peer's state with its own settings). Not here: where files are, how fast, what is logged.
+SHAPES_TRAINING = ("model", "dataset", "image_size", "augment", "synthetic_size", "synthetic_image_size",
+                   "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
+                   "ra_magnitude", "augmix_severity", "random_erase", "ra_sampler", "ra_reps", "epochs", "max_steps",
+                   "batch_size", "global_batch_size", "grad_accum", "optimizer", "lr", "momentum", "weight_decay",
+                   "norm_weight_decay", "bias_weight_decay", "lr_schedule", "warmup_steps", "clip_grad_norm",
+                   "label_smoothing", "mixup_alpha", "cutmix_alpha", "model_ema", "model_ema_steps",
+                   "model_ema_decay", "amp", "sync_bn", "seed", "strategy")
 
 
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:

@@ -36,6 +36,7 @@ gradients in the parameters' own order after the backward has neither problem (d
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import time
@@ -44,10 +45,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from trainer.config.settings import INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV, REPLICA_ENV
+from trainer.config.settings import (INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV,
+                                     REPLICA_ENV, SHAPES_TRAINING)
 from trainer.core.errors import Fenced, UsageError
 from trainer.core.files import atomic_file
 from trainer.data.sampling import shares_of
+from trainer.parallel import collectives
 from trainer.parallel.context import DistContext, collective_failure
 
 log = logging.getLogger("trainer")
@@ -116,6 +119,24 @@ class InPlace:
                              f"({' '.join(str(err).split())[:200]})", "start trainer-launch on the MASTER_ADDR host "
                              "first (it runs the lighthouse), or check MASTER_ADDR and the port between the hosts"
                              ) from None
+
+    def agree(self, mine: dict[str, Any], job_settings: Callable[[dict], dict], label: Callable[[str], str]) -> None:
+        """Before this host's first quorum: its fingerprint (fingerprint()) against the job's, which the job's first
+        host recorded in the checkpoint directory (job_settings: the record, made from `mine` if there is none).
+        A host that differs would train the job's state with other settings, or not fit it: it is refused (exit 2)
+        in one line naming what differs, both ways, and the job goes on without it."""
+        job = collectives.on_main_then_share(self.ctx, lambda: job_settings(mine))
+        found = differences(mine, job, label)
+        if not found:
+            return
+        where = os.environ.get(INPLACE_JOB_ENV, "").strip() or self.lighthouse
+        raise UsageError(", ".join(what for what, _, _ in found),
+                         f"this host has {', '.join(f'{what} {_shown(value)}' for what, value, _ in found)}; the in-place "
+                         f"job it joins (its lighthouse at {where}) has "
+                         f"{', '.join(f'{what} {_shown(theirs)}' for what, _, theirs in found)}",
+                         "every host of an in-place job trains with the same settings: start this host with the job's "
+                         "settings, or stop every host and start the job again with the new ones, which a resume "
+                         "applies")
 
     # ------------------------------------------------------------------ torchft's state callbacks
     def _state(self) -> dict:
@@ -305,6 +326,60 @@ class InPlace:
             self.manager.shutdown(wait=False)
         except Exception:  # noqa: BLE001 (leaving: nothing more to do with it)
             pass
+
+
+def fingerprint(settings: dict[str, Any], built: dict[str, Any], modules: dict[str, Any]) -> dict[str, Any]:
+    """What a host of an in-place job trains with: the settings that shape the training (SHAPES_TRAINING), the
+    optimizers' and schedulers' hyper-parameters as the script built them (checkpoint.state.as_built: a script's own
+    learning rate too), and each model's tensors (names, shapes, dtypes), as plain JSON data."""
+    import hashlib
+
+    models = {}
+    for name, module in modules.items():
+        tensors = module.state_dict()
+        layout = "\n".join(f"{key} {tuple(t.shape)} {t.dtype}" for key, t in tensors.items() if hasattr(t, "shape"))
+        models[name] = {"tensors": len(tensors), "values": sum(t.numel() for t in tensors.values()
+                                                               if hasattr(t, "numel")),
+                        "layout": hashlib.sha256(layout.encode()).hexdigest()[:16]}
+    plain = {"settings": {key: settings[key] for key in SHAPES_TRAINING if key in settings}, "built": built,
+             "models": models}
+    return json.loads(json.dumps(plain, default=str))  # as the job's record reads back: tuples as lists
+
+
+def differences(mine: dict[str, Any], job: dict[str, Any], label: Callable[[str], str]) -> list[tuple[str, Any, Any]]:
+    """(what, this host's, the job's) for each way this host's fingerprint differs from the job's: the settings
+    where any differs (the rest follows from them), else what the script built, else the models."""
+    found = [(label(key), value, job["settings"].get(key)) for key, value in mine["settings"].items()
+             if job.get("settings", {}).get(key) != value]
+    if found:
+        return found
+    for name, value in mine["built"].items():
+        theirs = job.get("built", {}).get(name)
+        if theirs != value:
+            found += _built_differences(name, value, theirs)
+    for name, model in mine["models"].items():
+        theirs = job.get("models", {}).get(name)
+        if theirs != model:
+            found.append((f"{name} (its state_dict)", _layout(model), _layout(theirs)))
+    return found
+
+
+def _layout(model: dict | None) -> str:
+    return f"{model['tensors']} tensors, {model['values']:,} values, layout {model['layout']}" if model else "none"
+
+
+def _built_differences(name: str, mine: Any, theirs: Any) -> list[tuple[str, Any, Any]]:
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):  # parameter groups
+        return [(f"{name}'s {key}" + (f" (group {index})" if len(mine) > 1 else ""), value, group.get(key))
+                for index, (own, group) in enumerate(zip(mine, theirs)) for key, value in own.items()
+                if group.get(key) != value]
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return [(f"{name}'s {key}", value, theirs.get(key)) for key, value in mine.items() if theirs.get(key) != value]
+    return [(name, mine, theirs)]
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
 
 
 def _replica_group(timeout: timedelta):

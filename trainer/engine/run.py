@@ -36,7 +36,8 @@ from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position, Registered
 from trainer.checkpoint.store import CheckpointError
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
-from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, check_gpu_options, flag_name, script_settings
+from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, TrainConfig, check_gpu_options, flag_name,
+                                     script_settings)
 from trainer.core.errors import Diverged, Fenced, UsageError, exit_on_usage_error, print_error
 from trainer.data.augment import MixUpCutMix, mix_key
 from trainer.data.sampling import ResumableSampler
@@ -162,7 +163,7 @@ class Run:
         replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
                                    self._replica_state, self._from_replica, self._from_newer_checkpoint)
         self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
-        self.checkpointer.shared_claim = True
+        self.checkpointer.job = os.environ.get(INPLACE_JOB_ENV, "").strip() or replicas.lighthouse
         return replicas
 
     def _replica_state(self) -> dict:
@@ -435,6 +436,12 @@ class Run:
             self._check_changed_settings(point)
         with exit_on_usage_error():
             self.checkpointer.prepare(self.settings.log_dir)
+        if self._inplace is not None:  # before this host's first quorum: the job's settings, or none of its state
+            with exit_on_usage_error(silent=not self.ctx.is_local_main):
+                self._inplace.agree(inplace.fingerprint(self.settings.as_dict(), self.checkpointer.built,
+                                                        registered.modules), self.checkpointer.job_settings,
+                                    self._label)
+        with exit_on_usage_error():
             self._optimizers = list(registered.optimizers.values())
             position = self.checkpointer.restore()
         if ema_from_weights:  # a checkpoint without an average: it starts from the weights just resumed

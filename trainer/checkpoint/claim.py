@@ -1,0 +1,112 @@
+"""Taking a checkpoint directory for one run, or for one in-place job's processes together (torch-free: the launcher
+takes it for an in-place job before its workers start).
+
+Two runs sharing one directory would delete each other's checkpoints in rotation (each keeps the highest steps) and
+temp files, and an in-place host resumes whatever the directory's newest checkpoint is: another job's would be taken
+for its own. A lock file (flock) says who holds the directory, for as long as the holder lives: a crashed job leaves
+nothing that blocks the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from trainer.core.errors import UsageError
+from trainer.core.files import fsync_file, temp_path
+
+LOCK_NAME = ".lock"
+
+
+def claim(directory: Path, job: str | None = None) -> IO[str]:
+    """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
+    rotation (each keeps the highest steps) and temp files, or (in place) resume each other's. Held until the returned
+    file is closed. job: an in-place job's identity (its lighthouse): the processes of that job hold the directory
+    together, each with a shared lock; a run of another kind, or another job, finds it taken."""
+    lock = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 (held for the run: the caller closes it)
+    if job is not None:
+        return _claim_for_job(lock, directory, job)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise _in_use(lock, directory) from None
+    _say_holder(lock, f"pid {os.getpid()} on {socket.gethostname()}")
+    return lock
+
+
+JOB_HOLDER = "the in-place job of the lighthouse at "  # the lock file's first words while an in-place job holds it
+JOB_SETTINGS = ".job-settings.json"  # the settings of the in-place job that holds the directory (job_settings())
+CLAIM_WAIT_S = 5.0  # another job's first host converting its lock (exclusive -> shared) holds it this briefly
+
+
+def _claim_for_job(lock: IO[str], directory: Path, job: str) -> IO[str]:
+    """The directory for one in-place job. The first of its processes to find it free (an exclusive lock: nobody
+    holds it) writes the job's identity into the lock file and forgets the previous job's settings; every process
+    of the job then holds it shared and reads that identity back. Another job's identity, or a holder of another
+    kind (an exclusive lock for longer than a conversion takes), is refused. Linux converts a lock by releasing it
+    first: a process of another job may take it in between, and then it is that job's (the identity read back
+    under the shared lock decides)."""
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        else:
+            _say_holder(lock, f"{JOB_HOLDER}{job}, first taken by pid {os.getpid()} on {socket.gethostname()}")
+            with contextlib.suppress(FileNotFoundError):
+                (directory / JOB_SETTINGS).unlink()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise _in_use(lock, directory) from None
+            time.sleep(0.05)
+    if _holder(lock).startswith(f"{JOB_HOLDER}{job},"):
+        return lock
+    raise _in_use(lock, directory)
+
+
+def _say_holder(lock: IO[str], words: str) -> None:
+    lock.truncate(0)
+    lock.write(words + "\n")
+    lock.flush()
+
+
+def _holder(lock: IO[str]) -> str:
+    lock.seek(0)
+    return lock.read().strip()
+
+
+def _in_use(lock: IO[str], directory: Path) -> UsageError:
+    holder = _holder(lock) or "another process"
+    lock.close()
+    return UsageError("--checkpoint-dir", f"{directory} is in use by another run ({holder})",
+                      "give each run its own --checkpoint-dir, or stop that run first")
+
+
+def job_settings(directory: Path, mine: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the in-place job that holds `directory` (claim(job=...)): those its first process recorded,
+    or `mine` if this is the first (recorded now: written whole, then linked to the name, which only one process
+    can do)."""
+    path = directory / JOB_SETTINGS
+    with contextlib.suppress(FileNotFoundError):
+        return json.loads(path.read_text())
+    temp = temp_path(path)
+    try:
+        with open(temp, "w") as f:
+            f.write(json.dumps(mine, indent=1, sort_keys=True) + "\n")
+            fsync_file(f)
+        os.link(temp, path)  # not a rename: it fails where the name exists
+        return mine
+    except FileExistsError:  # another host of the job recorded its own first
+        return json.loads(path.read_text())
+    finally:
+        temp.unlink(missing_ok=True)
