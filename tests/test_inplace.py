@@ -399,11 +399,13 @@ def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tm
 
 
 def slow_starters(hosts, tmp_path: Path, port: int, launches: list, samples: int, late: str = "B",
-                  most: str = "1:2") -> tuple[Launch, Path, list[tuple[Launch, int, int]]]:
-    """The first host trains alone (the lighthouse apart, as compose's service runs it); the hosts named in `late`
-    start once there is a checkpoint, resume from it and wait before their first step until the test creates the
-    returned file: (the first, that file, [(a late host, its worker, the step it resumed from)])."""
-    standalone_lighthouse(hosts[0], port, tmp_path)
+                  most: str = "1:2", apart: bool = True) -> tuple[Launch, Path, list[tuple[Launch, int, int]]]:
+    """The first host trains alone (the lighthouse apart, as compose's service runs it, unless not `apart`: then
+    beside the first's launcher); the hosts named in `late` start once there is a checkpoint, resume from it and wait
+    before their first step until the test creates the returned file: (the first, that file, [(a late host, its
+    worker, the step it resumed from)])."""
+    if apart:
+        standalone_lighthouse(hosts[0], port, tmp_path)
     first = host(tmp_path, port, "hostA", hosts[0], samples=samples, hosts=most)
     launches.append(first)
     wait_until(lambda: newest_step(tmp_path / "checkpoints"), RUN_BOUND_S, f"a checkpoint\n{first.output()[-3000:]}")
@@ -461,6 +463,54 @@ def test_a_host_started_again_as_the_job_finishes_trains_nothing_and_writes_noth
 
 
 @pytest.mark.slow
+def test_a_host_started_again_as_the_job_ends_with_its_lighthouse_finds_nothing_to_do(hosts, tmp_path, launches):
+    """As above, with the lighthouse beside the first host's launcher: it goes away with the first host, and the
+    second's first quorum finds nobody. The checkpoint directory says the job trained to its end: nothing to do,
+    exit 0, in seconds, nothing trained or written (it used to end with a "no quorum" error)."""
+    samples = 3200  # 100 steps
+    first, go, [(second, worker, _)] = slow_starters(hosts, tmp_path, free_port(), launches, samples, apart=False)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    finished = committed(tmp_path)
+    go.touch()
+    began = time.monotonic()
+    assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
+    assert time.monotonic() - began < 30, second.output()[-4000:]  # a bound on a hang, not a speed goal
+    output = second.output()
+    steps = samples // 2 // SHARE_BATCH
+    assert (f"nothing to do: the in-place job of the lighthouse at http://{MASTER_ADDR}:{first_port(first)} ended at "
+            f"step {steps} ({tmp_path / 'checkpoints' / '.job-ended.json'}); this host, started as it ended, has "
+            "nothing to train") in output, output[-4000:]
+    assert "error: " not in output, output[-4000:]
+    assert not seen(tmp_path).get(worker) and committed(tmp_path) == finished
+
+
+@pytest.mark.slow
+def test_a_host_started_after_the_job_ended_and_its_lighthouse_left_finds_nothing_to_do(hosts, tmp_path, launches):
+    """The built-in loop's host started after the job (and the lighthouse beside its first host) ended: it does not
+    wait RDZV_TIMEOUT for a lighthouse that will not come back; nothing to do, exit 0, nothing written. The same
+    job with more epochs is a new job: it waits for its lighthouse."""
+    port = free_port()
+    first = builtin_host(tmp_path, port, "hostA", hosts[0], "--synthetic-size", "1024")
+    launches.append(first)
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    finished = committed(tmp_path)
+    late = builtin_host(tmp_path, port, "hostB", hosts[1], "--synthetic-size", "1024")
+    launches.append(late)
+    assert late.wait(60) == 0, late.output()[-4000:]  # RDZV_TIMEOUT is 900 s
+    assert (f"nothing to do: the in-place job of the lighthouse at http://{MASTER_ADDR}:{port} ended at step 32 "
+            f"({tmp_path / 'checkpoints' / '.job-ended.json'})") in late.output(), late.output()[-4000:]
+    assert "+ torchrun" not in late.output() and committed(tmp_path) == finished
+    longer = builtin_host(tmp_path, port, "hostB-longer", hosts[1], "--synthetic-size", "1024", "--epochs", "2",
+                          RDZV_TIMEOUT="3")
+    launches.append(longer)
+    assert longer.wait(60) == 2 and "cannot be reached" in longer.output(), longer.output()[-4000:]
+
+
+def first_port(launch: Launch) -> str:
+    return re.search(r"lighthouse at http://[\d.]+:(\d+)", launch.output()).group(1)
+
+
+@pytest.mark.slow
 def test_a_host_whose_peers_trained_on_and_were_lost_while_it_started_goes_on_from_their_newest_checkpoint(
         hosts, tmp_path, launches):
     """As above, but the first host is killed mid-run, well past the step the second resumed from: the second,
@@ -511,11 +561,12 @@ def test_hosts_that_each_go_on_from_the_newest_checkpoint_abandon_that_step_and_
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
-def builtin_host(out: Path, port: int, name: str, where: Host, *args: str) -> Launch:
+def builtin_host(out: Path, port: int, name: str, where: Host, *args: str, **env: str) -> Launch:
     """The built-in loop on one host of an in-place job, slow enough for others to try to join it."""
     return Launch(["--model", "cnn", "--synthetic-size", "20000", "--epochs", "1",
                    "--checkpoint-every", "20", "--log-every", "20", "--checkpoint-dir", str(out / "checkpoints"),
-                   "--log-dir", str(out / "runs"), *args], out, inplace_env(port, where), name=name, prefix=where.prefix)
+                   "--log-dir", str(out / "runs"), *args], out, inplace_env(port, where, **env), name=name,
+                  prefix=where.prefix)
 
 
 def first_checkpoint(launch: Launch, checkpoints: Path) -> None:

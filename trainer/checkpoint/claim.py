@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from trainer.config.settings import SHAPES_TRAINING
 from trainer.core.errors import UsageError
-from trainer.core.files import fsync_file, temp_path
+from trainer.core.files import fsync_file, temp_path, write_json_atomic
 
 LOCK_NAME = ".lock"
 
@@ -42,6 +43,7 @@ def claim(directory: Path, job: str | None = None) -> IO[str]:
 
 JOB_HOLDER = "the in-place job of the lighthouse at "  # the lock file's first words while an in-place job holds it
 JOB_SETTINGS = ".job-settings.json"  # the settings of the in-place job that holds the directory (job_settings())
+JOB_ENDED = ".job-ended.json"  # the in-place job that held the directory trained to its end (record_end())
 CLAIM_WAIT_S = 5.0  # another job's first host converting its lock (exclusive -> shared) holds it this briefly
 
 
@@ -60,8 +62,9 @@ def _claim_for_job(lock: IO[str], directory: Path, job: str) -> IO[str]:
             pass
         else:
             _say_holder(lock, f"{JOB_HOLDER}{job}, first taken by pid {os.getpid()} on {socket.gethostname()}")
-            with contextlib.suppress(FileNotFoundError):
-                (directory / JOB_SETTINGS).unlink()
+            for previous in (JOB_SETTINGS, JOB_ENDED):  # the previous job's
+                with contextlib.suppress(FileNotFoundError):
+                    (directory / previous).unlink()
         try:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
             break
@@ -110,3 +113,27 @@ def job_settings(directory: Path, mine: dict[str, Any]) -> dict[str, Any]:
         return json.loads(path.read_text())
     finally:
         temp.unlink(missing_ok=True)
+
+
+class Ended(Exception):
+    """This host came to an in-place job that has ended: nothing to train, nothing to write (str(): its line)."""
+
+
+def record_end(directory: Path, job: str, step: int) -> None:
+    """The in-place job trained to its end (its writing host says so once it committed the last checkpoint): a host
+    of the job started again after that finds it here, whether or not the lighthouse still answers."""
+    write_json_atomic(directory / JOB_ENDED, {"job": job, "step": step})
+
+
+def check_ended(directory: Path, job: str, settings: dict[str, Any]) -> None:
+    """Ended, if `directory` says the job `job` trained to its end with these settings (a job with other settings
+    in the same directory is a new one, started again to train on: not ended)."""
+    try:
+        end = json.loads((directory / JOB_ENDED).read_text())
+        recorded = json.loads((directory / JOB_SETTINGS).read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    mine = json.loads(json.dumps({key: settings.get(key) for key in SHAPES_TRAINING if key in recorded}, default=str))
+    if end.get("job") == job and mine == {key: recorded[key] for key in mine}:
+        raise Ended(f"nothing to do: the in-place job of the lighthouse at {job} ended at step {end.get('step')} "
+                    f"({directory / JOB_ENDED}); this host, started as it ended, has nothing to train")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from trainer.checkpoint.claim import claim
+from trainer.checkpoint.claim import Ended, check_ended, claim
 from trainer.cluster import lighthouse
 from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env
 from trainer.cluster.topology import Topology
@@ -101,7 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_preflight(launch.cfg, env)
     if launch.in_place:
         with exit_on_usage_error():
-            start_in_place(launch, env)
+            try:
+                start_in_place(launch, env)
+            except Ended as ended:
+                print(ended, file=sys.stderr, flush=True)
+                return 0
     program = [*launch.program.target, *launch.program.args]
     if launch.per_host is not None:
         shown = shlex.join(program[:2] if program[0] == "-m" else program[:1])
@@ -126,13 +130,19 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
     bound = launch.settings.rdzv_timeout
     started = None
     identity = lighthouse.identity(host, port)
+    ended = None
     if launch.cfg is not None:  # the built-in loop's directory is known here: another job's is refused now
-        hold_for_the_job(Path(launch.cfg.checkpoint_dir), identity)
+        directory, settings = Path(launch.cfg.checkpoint_dir), launch.cfg.as_dict()
+        # Started again as the job ended (or after): the directory says so, before this host takes it for a new job
+        # and while it waits for a lighthouse that will not come back (up to RDZV_TIMEOUT).
+        ended = lambda: check_ended(directory, identity, settings)  # noqa: E731 (a poll, not a definition)
+        ended()
+        hold_for_the_job(directory, identity)
     if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
         timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
             script_settings({}, env, job.world_size).collective_timeout
         started = lighthouse.start(port, job.min_nodes, timeout)
-    why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started)
+    why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started, ended)
     if why is not None:
         given = job.variables("master_addr", "master_port") or ["MASTER_ADDR", "MASTER_PORT"]
         raise UsageError(given[0], f"the lighthouse at {lighthouse.url(host, port)} cannot be reached ({why}; waited "

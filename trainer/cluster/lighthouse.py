@@ -132,9 +132,10 @@ def serve(port: int, min_hosts: int, join_timeout_s: float) -> int:
         time.sleep(3600)
 
 
-def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], started: subprocess.Popen | None = None
-         ) -> str | None:
-    """Wait until the lighthouse answers (said once after a few seconds); None, or why it never did."""
+def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], started: subprocess.Popen | None = None,
+         poll: Callable[[], None] | None = None) -> str | None:
+    """Wait until the lighthouse answers (said once after a few seconds); None, or why it never did. poll: called
+    while nothing answers (what it raises ends the wait: the job has ended, say)."""
     deadline, said = time.monotonic() + bound_s, False
     began = time.monotonic()
     while True:
@@ -145,6 +146,8 @@ def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], start
             # Another launcher on this machine took the port first (several hosts on one machine): its lighthouse
             # answers soon. Anything else shows as no answer at the deadline.
             started = None
+        if poll is not None:
+            poll()
         if time.monotonic() >= deadline:
             return why
         if not said and time.monotonic() - began > 3:

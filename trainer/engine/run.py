@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
+from trainer.checkpoint.claim import Ended, check_ended, record_end
 from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position, Registered
 from trainer.checkpoint.store import CheckpointError
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
-from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, TrainConfig, check_gpu_options, flag_name,
-                                     script_settings)
+from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, LIGHTHOUSE_ENV, TrainConfig,
+                                     check_gpu_options, flag_name, script_settings)
 from trainer.core.errors import Diverged, Fenced, UsageError, exit_on_usage_error, print_error
 from trainer.data.augment import MixUpCutMix, mix_key
 from trainer.data.sampling import ResumableSampler
@@ -160,11 +161,25 @@ class Run:
             raise UsageError(self._label("strategy" if cfg.strategy == "fsdp" else "local_sgd_period"),
                              f"{what}, and in-place recovery replicates whole models, summing gradients every step",
                              "set RECOVERY=restart for this job (trainer-launch then restarts the workers on a change)")
-        replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
-                                   self._replica_state, self._from_replica, self._from_newer_checkpoint)
+        self.checkpointer.job = os.environ.get(INPLACE_JOB_ENV, "").strip() or os.environ[LIGHTHOUSE_ENV].strip()
+        try:
+            replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
+                                       self._replica_state, self._from_replica, self._from_newer_checkpoint)
+        except UsageError:  # no lighthouse: the job may have ended as this host started
+            self._if_the_job_ended()
+            raise
         self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
-        self.checkpointer.job = os.environ.get(INPLACE_JOB_ENV, "").strip() or replicas.lighthouse
         return replicas
+
+    def _if_the_job_ended(self) -> None:
+        """In place, the lighthouse gone: where the checkpoint directory says the job trained to its end with these
+        settings, this host (started as it ended) leaves with one line, exit 0, having trained and written nothing."""
+        try:
+            check_ended(self.checkpointer.directory, self.checkpointer.job, self.settings.as_dict())
+        except Ended as ended:
+            if self.ctx.is_local_main:
+                log.info("%s", ended)
+            raise SystemExit(0) from None
 
     def _replica_state(self) -> dict:
         """What a host behind gets from this one: the checkpoint dict at the current position."""
@@ -762,6 +777,8 @@ class Run:
                                              *self._workload_names())
             summary["world_size"] = self.world_size  # in place: the job's at its end
             code = 0 if self.observers.write_summary(summary) else 1
+            if self._inplace is not None and status == "completed" and self.is_main:
+                record_end(self.checkpointer.directory, self.checkpointer.job, self.position.step)
         left = self._supervised.leave(self.stopped, self.position.step,
                                       self.checkpointer.last_committed == self.position.step)
         code = left or code
@@ -802,6 +819,8 @@ class Run:
         if issubclass(exc_type, UsageError):
             with exit_on_usage_error():
                 raise exc
+        if issubclass(exc_type, inplace.QuorumFailed):  # the lighthouse gone: the job may have ended meanwhile
+            self._if_the_job_ended()
         if issubclass(exc_type, RUN_ERRORS):
             print_error(str(exc))
             raise SystemExit(1) from None
