@@ -424,7 +424,7 @@ def lose_the_first(first: Launch, checkpoints: Path, past: int) -> tuple[list[in
     step once they are gone)."""
     wait_until(lambda: newest_step(checkpoints) >= past + 20, RUN_BOUND_S,
                f"the first host further\n{first.output()[-3000:]}")
-    lost = list(first.workers().values())
+    lost = workers(first)  # the script's workers (Launch.workers() finds `python -m trainer` ones only)
     os.kill(first.pid, signal.SIGKILL)
     wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
     return lost, newest_step(checkpoints)
