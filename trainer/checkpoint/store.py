@@ -1,6 +1,8 @@
 """Checkpoints: what they hold, and committing them (a checkpoint exists only once it is fully on disk).
 
-Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
+Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N. Under in-place
+recovery the temp file is written in its generation's folder of the directory instead, and the rename commits only
+while that generation is the job's (open_generation).
 At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
 A run's checkpoints form one line: a run resumed from step S (or started afresh, at 0) continues from there, and the
 committed checkpoints above S, the future it abandons, are set aside in a folder of their own (nothing is deleted),
@@ -59,10 +61,18 @@ def ensure_output_dir(path: str, setting: str) -> None:
 def claim(directory: Path, shared: bool = False) -> IO[str]:
     """Take the directory for this run: two runs sharing one would delete each other's checkpoints in
     rotation (each keeps the highest steps) and temp files. Held until the returned file is closed. shared: the
-    hosts of one in-place job each take it, together (a run of another kind still finds it taken)."""
+    hosts of one in-place job each take it, together (a run of another kind still finds it taken). Whoever takes
+    it while no other process holds it removes what dead writers left (clear_leftovers)."""
     lock = open(directory / LOCK_NAME, "a+")  # noqa: SIM115 (held for the run: the caller closes it)
     try:
-        fcntl.flock(lock, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        alone = _flock(lock, fcntl.LOCK_EX)
+        if alone:
+            clear_leftovers(directory)
+            if shared:  # held alone until now, so nothing can conflict with the shared lock
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        # Another host of the job may hold it alone for the moment of its clear_leftovers.
+        elif not (shared and _flock(lock, fcntl.LOCK_SH, SHARED_WAIT_S)):
+            raise OSError("taken")
     except OSError:
         lock.seek(0)
         holder = lock.read().strip() or "another process"
@@ -74,6 +84,29 @@ def claim(directory: Path, shared: bool = False) -> IO[str]:
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         lock.flush()
     return lock
+
+
+def _flock(lock: IO[str], kind: int, wait_s: float = 0.0) -> bool:
+    """Whether `lock` was taken (kind: fcntl.LOCK_EX or LOCK_SH) within wait_s seconds; never blocks longer."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def clear_leftovers(directory: Path) -> None:
+    """The directory taken while no other process of any job holds it: the temp files of writers killed mid-write
+    and what in-place jobs leave (their generations' folders and newest number) belong to no live process, and a
+    new job's generations (numbered afresh by its lighthouse) must not be taken for older than a finished job's."""
+    _remove_stale_temps(directory)
+    for path in [*directory.glob(f"{GENERATION_PREFIX}*"), *directory.glob(f"{RETIRED_PREFIX}*"),
+                 directory / GENERATION_FILE]:
+        _remove(path)
 
 
 SHARED_MARKER = ".shared-check-"
@@ -137,6 +170,73 @@ def set_aside_after(directory: Path, step: int) -> tuple[Path, list[str]] | None
     return folder, [path.name for path in later]
 
 
+# In-place recovery (trainer.engine.inplace): a generation is torchft's quorum id, one per membership. Its first host
+# writes the number to GENERATION_FILE and makes the generation's folder, where the checkpoints of its state are
+# written before the rename that commits them; the next generation's first host retires the folder (one rename), so a
+# writer of an older generation cannot commit, however long it was frozen: its rename finds no file.
+GENERATION_FILE = ".generation"  # the newest generation that trained (its number)
+GENERATION_PREFIX = ".generation-"  # + the number: a generation's folder for temp files (no step-* name: never resumed)
+RETIRED_PREFIX = ".retired-generation-"
+
+
+class Superseded(Exception):
+    """In place: the generation whose folder held a checkpoint's temp file ended before its commit (a newer generation
+    retired the folder); nothing was published."""
+
+
+def generation_folder(directory: Path, generation: int) -> Path:
+    return directory / f"{GENERATION_PREFIX}{generation}"
+
+
+def generations_on_disk(directory: Path) -> list[int]:
+    """The generations whose folders are in `directory` (not retired)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for path in directory.iterdir():
+            number = path.name[len(GENERATION_PREFIX):]
+            if path.name.startswith(GENERATION_PREFIX) and number.isdigit():
+                found.append(int(number))
+    return found
+
+
+def open_generation(directory: Path, generation: int) -> int | None:
+    """The first host of a new generation, before anyone trains in it: the generation's folder made and every older
+    one retired. A newer generation's folder found there means that this host is the stale one (frozen between its
+    quorum and here): its folder is retired at once, and that newer generation returned; else None. CheckpointError:
+    the folder cannot be made (the checkpoints of this generation could not be committed)."""
+    folder = generation_folder(directory, generation)
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"--checkpoint-dir: cannot write {folder}: {os_reason(err)} (make {directory} a "
+                              f"writable directory for uid {os.getuid()})") from None
+    # Checked after the folder is made: a newer generation's first host that listed the folders before it was made
+    # made its own first, so one of the two always sees the other.
+    newer = [g for g in generations_on_disk(directory) if g > generation]
+    for other in [generation] if newer else [g for g in generations_on_disk(directory) if g < generation]:
+        _retire(directory, other)
+    for retired in directory.glob(f"{RETIRED_PREFIX}*"):  # any left by a retirement that could not finish
+        shutil.rmtree(retired, ignore_errors=True)
+    return max(newer, default=None)
+
+
+def _retire(directory: Path, generation: int) -> None:
+    # One rename: a writer of that generation opens its temp file and renames it out by the generation's name, so from
+    # this rename on it cannot commit (a frozen writer cannot be halfway through a rename). The retired folder is then
+    # removed: no one reaches into it by a path any more, and a frozen writer writing into an open file of it writes
+    # into an unlinked one.
+    retired = directory / f"{RETIRED_PREFIX}{generation}.{secrets.token_hex(4)}"
+    try:
+        os.rename(generation_folder(directory, generation), retired)
+    except FileNotFoundError:  # another host retired it
+        return
+    except OSError as err:
+        log.warning("in place: cannot retire %s (%s): a host of that generation frozen while it wrote a checkpoint "
+                    "could still commit it", generation_folder(directory, generation), os_reason(err))
+        return
+    shutil.rmtree(retired, ignore_errors=True)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -192,38 +292,66 @@ def _sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any],
     return committed
 
 
-def save(directory: Path, step: int, state: dict[str, Any], keep: int, fence: Callable[[], None] | None = None
-         ) -> Path:
-    """fence: called once the file is written, before it is committed; what it raises (trainer.core.errors.Fenced:
-    the job went on without this host) leaves nothing behind."""
+def save(directory: Path, step: int, state: dict[str, Any], keep: int, staging: Path | None = None) -> Path:
+    """staging: the folder the temp file is written in and renamed out of (in place: its generation's, see
+    open_generation), which must still be there at the rename: if it was retired, Superseded and nothing published.
+    None: the directory itself."""
     final = checkpoint_path(directory, step)
     measured: list[bool] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # The free space is measured while the partial temp file still fills the disk: once it is removed,
         # a full disk no longer looks full.
-        with atomic_file(final, before_cleanup=lambda err: measured.append(_out_of_space(err, directory))) as f:
+        with atomic_file(final, before_cleanup=lambda err: measured.append(_out_of_space(err, directory)),
+                         folder=staging) as f:
             torch.save(state, f)
-            if fence is not None:
-                fence()
+            _hold_for_tests(step)
     except (OSError, RuntimeError) as err:
+        if staging is not None and not staging.is_dir():
+            raise Superseded(f"{final.name}: {staging.name} was retired before its commit") from None
         full = measured[0] if measured else _out_of_space(err, directory)
         raise _save_failed(err, final, directory, full) from None
     for old in list_checkpoints(directory)[keep:]:
         _remove(old)
-    _remove_stale_temps(directory)
+    if staging is None:  # in place the directory is shared: its temp files may be another host's, being written
+        _remove_stale_temps(directory)
     return final
 
 
+HOLD_ENV = "TRAINER_TEST_HOLD_BEFORE_COMMIT"
+
+
+def _hold_for_tests(step: int) -> None:
+    """A test's hook (tests/test_inplace.py), unset otherwise: a test must stop a writer exactly between the end of its
+    write and the rename that commits it, which no sleep or signal's timing can do. While the file HOLD_ENV names
+    exists, the writer says it is there (<that file>.reached: the step and its pid) and waits for the file to go."""
+    hold = os.environ.get(HOLD_ENV)
+    if not hold or not os.path.exists(hold):
+        return
+    with atomic_file(Path(f"{hold}.reached"), "w", durable=False) as f:
+        f.write(f"{step} {os.getpid()}\n")
+    while os.path.exists(hold):
+        time.sleep(0.05)
+
+
 def _save_failed(err: BaseException, final: Path, directory: Path, full: bool, where: str = "") -> CheckpointError:
-    older = list_checkpoints(directory)
-    kept = (f"the {len(older)} older checkpoint(s) are intact, the newest {older[0].name}" if older else
-            "no earlier checkpoint exists")
+    kept = _intact(final, directory)
     if full:
         return CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} (free space "
                                f"in {directory}; {kept})")
     return CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a writable "
                            f"directory for uid {os.getuid()}{where}; {kept})")
+
+
+def _intact(final: Path, directory: Path) -> str:
+    """The checkpoints a failed write left as they were: older ones, or (another host's, in place) newer ones too."""
+    found = list_checkpoints(directory)
+    older = [p for p in found if step_of(p) < step_of(final)]
+    if not found:
+        return "no earlier checkpoint exists"
+    if len(older) == len(found):
+        return f"the {len(older)} older checkpoint(s) are intact, the newest {older[0].name}"
+    return f"the {len(found)} checkpoint(s) there are intact, the newest {found[0].name}"
 
 
 def _out_of_space(err: BaseException, directory: Path) -> bool:

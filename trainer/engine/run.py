@@ -162,6 +162,7 @@ class Run:
         replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
                                    self._replica_state, self._from_replica, self._from_newer_checkpoint)
         self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
+        self.checkpointer.staging, replicas.label = replicas.staging, self._label("checkpoint_dir")
         self.checkpointer.shared_claim = True
         return replicas
 
