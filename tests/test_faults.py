@@ -34,6 +34,7 @@ from helpers import (
 )
 
 from trainer.checkpoint import store as checkpoint
+from trainer.core.errors import UsageError
 
 COLLECTIVE_TIMEOUT_S = 5
 USER_CODE = REPO / "tests" / "user_code"
@@ -300,6 +301,92 @@ def test_sigkill_during_checkpoint_write_leaves_only_loadable_checkpoints(tmp_pa
 
     checkpoint.save(directory, state["step"] + 1, {"format": checkpoint.FORMAT, "step": state["step"] + 1}, keep=2)
     assert not list(directory.glob(".tmp-*")), "the next save removes what the killed writer left"
+
+
+def test_an_in_place_writer_commits_only_in_the_jobs_generation_and_removes_no_one_elses_temp_file(tmp_path):
+    """In place (trainer.engine.inplace) a checkpoint's temp file is written in its generation's folder and committed
+    by the rename out of it: once a newer generation retired that folder, the rename publishes nothing (Superseded),
+    however long the writer was frozen before it. A writer removes no temp file but its own: another host's in the
+    directory, or a newer generation's writer's, stay. Real files; the folders are never taken for checkpoints."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+
+    def state(step: int) -> dict:
+        return {"format": checkpoint.FORMAT, "global_step": step}
+
+    assert checkpoint.open_generation(directory, 4) is None
+    mine = checkpoint.generation_folder(directory, 4)
+    # Generation 5 has just formed (its folder made, 4's not yet retired); its writer and another host's write of the
+    # generation's number are under way.
+    newer = checkpoint.generation_folder(directory, 5)
+    newer.mkdir()
+    live = [newer / ".tmp-step-00000020.pt.4242", directory / ".tmp-.generation.4243"]
+    for temp in live:
+        temp.write_bytes(b"being written")
+    assert checkpoint.save(directory, 10, state(10), keep=3, staging=mine) == directory / "step-00000010.pt"
+    assert all(temp.exists() for temp in live) and not list(mine.iterdir())
+
+    assert checkpoint.open_generation(directory, 5) is None  # 5's first host retires 4
+    assert not mine.exists() and newer.is_dir() and all(temp.exists() for temp in live)
+    with pytest.raises(checkpoint.Superseded):
+        checkpoint.save(directory, 11, state(11), keep=3, staging=mine)
+    assert not (directory / "step-00000011.pt").exists() and not mine.exists()
+    # A host of 4 frozen between its quorum and making its folder: it finds 5 and retires its own at once.
+    assert checkpoint.open_generation(directory, 4) == 5 and not mine.exists()
+    checkpoint.save(directory, 20, state(20), keep=3, staging=newer)
+    assert all(temp.exists() for temp in live)
+
+    assert [p.name for p in checkpoint.list_checkpoints(directory)] == ["step-00000020.pt", "step-00000010.pt"]
+    assert checkpoint.load_for_resume(directory, "auto")[1] == directory / "step-00000020.pt"
+    checkpoint.save(directory, 30, state(30), keep=3)  # off the in-place path, as before: the directory's own go
+    assert not live[1].exists() and live[0].exists()
+
+
+def test_the_run_that_takes_a_checkpoint_directory_alone_clears_what_in_place_jobs_left(tmp_path):
+    """Generation folders, the generation's number and temp files belong to no live process when nothing else holds
+    the directory (a new job's lighthouse numbers its generations afresh: a finished job's must not look newer). A
+    host that joins an in-place job holding it leaves them."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+
+    def leave_some() -> list[Path]:
+        left = [checkpoint.generation_folder(directory, 7), directory / ".retired-generation-6.ab12",
+                directory / checkpoint.GENERATION_FILE, directory / ".tmp-step-00000070.pt.99"]
+        for path in left[:2]:
+            path.mkdir(exist_ok=True)
+            (path / ".tmp-step-00000070.pt.98").write_bytes(b"half")
+        for path in left[2:]:
+            path.write_text("7\n")
+        return left
+
+    left = leave_some()
+    first = checkpoint.claim(directory, job="http://10.0.0.1:29500")
+    assert not any(path.exists() for path in left), list(directory.iterdir())
+    left = leave_some()
+    second = checkpoint.claim(directory, job="http://10.0.0.1:29500")  # another host of the same job: not alone
+    assert all(path.exists() for path in left)
+    with pytest.raises(UsageError, match="is in use by another run"):
+        checkpoint.claim(directory)  # a run of another kind
+    with pytest.raises(UsageError, match=r"is in use by another run \(the in-place job of the lighthouse at "
+                       r"http://10.0.0.1:29500, first taken by pid \d+ on "):
+        checkpoint.claim(directory, job="http://10.0.0.1:29501")  # another in-place job
+    first.close()
+    second.close()
+    checkpoint.claim(directory).close()
+    assert not any(path.exists() for path in left)
+
+
+def test_a_failed_write_calls_no_newer_checkpoint_older(tmp_path):
+    """In place, a host whose write fails may find newer checkpoints than its own (the job's): the line says what is
+    there, not that every checkpoint is older."""
+    directory = tmp_path / "checkpoints"
+    for step in (10, 30):
+        checkpoint.save(directory, step, {"format": checkpoint.FORMAT, "global_step": step}, keep=3)
+    (directory / "step-00000020.pt").mkdir()  # the rename over it fails: a directory, not writable as a file
+    (directory / "step-00000020.pt" / "x").write_bytes(b"")
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(directory, 20, {"format": checkpoint.FORMAT, "global_step": 20}, keep=3)
+    assert str(raised.value).endswith("the 3 checkpoint(s) there are intact, the newest step-00000030.pt)"), raised.value
 
 
 def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path):

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_helpers import Launch, children, descendants, running, wait_until
+from fault_helpers import Launch, children, descendants, error_lines, running, wait_until
 from helpers import REPO, assert_identical, free_port, read_summary
 from netns import MASTER_ADDR, Host
+
+from trainer.checkpoint.store import HOLD_ENV, load_for_resume
 
 USER_CODE = REPO / "tests" / "user_code"
 RUN_BOUND_S = 300  # a bound on a hang on a loaded 2-core machine, not a speed goal
@@ -196,7 +198,7 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
     check_the_order(tmp_path, survivor, steps)
     assert read_summary(tmp_path / "runs")["status"] == "completed"
     trained = newest_checkpoint(checkpoints)
-    assert trained["global_step"] == steps and not list(checkpoints.glob(".tmp-*"))
+    assert trained["global_step"] == steps and not list(checkpoints.rglob(".tmp-*"))
     # The returning host resumed from the newest checkpoint it found, while the survivor committed newer ones: those
     # are the job's, not a rollback's abandoned future (nothing set aside).
     assert not [p.name for p in checkpoints.iterdir() if p.name.startswith("abandoned")], list(checkpoints.iterdir())
@@ -296,8 +298,9 @@ def caught_writing(hosts, tmp_path: Path, port: int, launches: list) -> tuple:
     writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
                                f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
     pid = worker_pid(writer)
-    writing = wait_until(lambda: list((tmp_path / "checkpoints").glob(f".tmp-step-*.{pid}")), RUN_BOUND_S,
-                         "a checkpoint being written")
+    # In its generation's folder (trainer.checkpoint.store.open_generation), which the next generation retires.
+    writing = wait_until(lambda: list((tmp_path / "checkpoints").glob(f".generation-*/.tmp-step-*.{pid}")),
+                         RUN_BOUND_S, "a checkpoint being written")
     return writer, other, writing
 
 
@@ -305,7 +308,8 @@ def caught_writing(hosts, tmp_path: Path, port: int, launches: list) -> tuple:
 def test_a_host_lost_while_it_writes_a_checkpoint_leaves_the_older_ones_and_the_others_go_on(hosts, tmp_path,
                                                                                                  launches):
     """The first host writes the job's checkpoints. Killed mid-write (its temp file there), it commits nothing; the
-    other host goes on alone, writes from then on, and its rotation removes the lost host's temp file."""
+    other host goes on alone, writes from then on, and its new generation retires the lost host's generation's
+    folder, temp file and all."""
     port = free_port()
     lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)  # as compose's service: not the writer's
     checkpoints = tmp_path / "checkpoints"
@@ -316,8 +320,8 @@ def test_a_host_lost_while_it_writes_a_checkpoint_leaves_the_older_ones_and_the_
     lighthouse.kill()
     lighthouse.wait()
     assert [w for _, w in generations(other.output())][-1] == 1, generations(other.output())
-    assert writing[0].name not in [p.name for p in checkpoints.iterdir()]  # removed by the next writer's rotation
-    assert not list(checkpoints.glob(".tmp-*")), list(checkpoints.iterdir())
+    assert not writing[0].exists() and not writing[0].parent.exists()  # retired with its generation
+    assert not list(checkpoints.rglob(".tmp-*")), list(checkpoints.rglob("*"))
     check_the_order(tmp_path, survivor, SAMPLES // 2 // SHARE_BATCH)
     assert newest_checkpoint(checkpoints)["global_step"] == SAMPLES // 2 // SHARE_BATCH
 
@@ -394,7 +398,112 @@ def test_a_frozen_host_that_comes_back_after_the_job_went_on_is_fenced(hosts, tm
     assert len(lines) == 1 and ("noticed before committing a checkpoint" in lines[0] or
                                 "noticed at a step's start" in lines[0]), writer.output()[-4000:]
     assert not (checkpoints / f"step-{step:08d}.pt").exists()  # the frozen write was never committed
-    assert not list(checkpoints.glob(".tmp-*"))
+    assert not list(checkpoints.rglob(".tmp-*"))
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+def held_writer(hosts, tmp_path: Path, port: int, launches: list, *args: str, samples: int = SAMPLES,
+                **env: str) -> tuple[Launch, Launch, int, int]:
+    """Two hosts training together, every checkpoint kept, the writing host's next checkpoint held right before the
+    rename that commits it (trainer.checkpoint.store's test hook, HOLD_ENV): (the writer, the other host, the step
+    of the held checkpoint, the process holding it). The test removes tmp_path/"hold" to let it go on."""
+    hold = tmp_path / "hold"
+    env = {HOLD_ENV: str(hold), "TRAIN_KEEP_CHECKPOINTS": "1000", **env}
+    first = host(tmp_path, port, "hostA", hosts[0], *args, samples=samples, **env)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *args, samples=samples, **env)
+    launches.append(second)
+    writer, other = wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+                               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    hold.touch()
+    reached = Path(f"{hold}.reached")
+    step, pid = map(int, wait_until(lambda: reached.is_file() and reached.read_text().split(), RUN_BOUND_S,
+                                    f"the writer at its commit\n{writer.output()[-3000:]}"))
+    assert pid == worker_pid(writer), (pid, writer.log_path.name)
+    return writer, other, step, pid
+
+
+def cadence_checkpoints(directory: Path, steps: int, but: int) -> tuple[list[str], list[str]]:
+    """(the step-* names in `directory`, those of every 10th step of the run but `but`)."""
+    return (sorted(p.name for p in directory.glob("step-*")),
+            [f"step-{s:08d}.pt" for s in range(10, steps + 1, 10) if s != but])
+
+
+@pytest.mark.slow
+def test_a_writer_frozen_between_its_last_check_and_its_rename_commits_nothing_when_thawed(hosts, tmp_path, launches):
+    """The writing host is frozen (SIGSTOP) at the very end of a checkpoint's write, right before the rename that
+    commits it. The other goes on alone in a newer generation and commits newer checkpoints. Thawed, the frozen host
+    goes straight on to its rename, which finds nothing (the newer generation retired its generation's folder): it
+    commits nothing and leaves with the fence's one line; its launcher starts it again and it rejoins; the job
+    completes, and a resume picks the job's newest checkpoint. Before, its fence check had been passed before the
+    freeze, and the rename failed only because the other host's clean-up had deleted its temp file, the line blaming
+    the directory's permissions (or, had that host written no checkpoint yet, it committed its stale one)."""
+    checkpoints, samples = tmp_path / "checkpoints", 9600  # 300 steps: time to rejoin before the end
+    writer, other, step, frozen = held_writer(hosts, tmp_path, free_port(), launches, samples=samples)
+    own = generations(writer.output())[-1][0]
+    stopped = [frozen, *descendants(frozen)]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        (tmp_path / "hold").unlink()  # thawed, it goes straight on to its rename
+        wait_until(lambda: generations(other.output())[-1][1] == 1 and newest_step(checkpoints) > step,
+                   RUN_BOUND_S, f"the other host alone, committing newer checkpoints\n{other.output()[-3000:]}")
+        newest = generations(other.output())[-1][0]
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
+    assert writer.wait(RUN_BOUND_S) == 0, writer.output()[-4000:]
+    output = writer.output()
+    assert error_lines(output) == [
+        f"error: in place: this host came back after the job went on without it (generation {own}, the job's is "
+        f"{newest}: it was frozen, paused or cut off; noticed before committing a checkpoint): it leaves, having "
+        "written nothing of the newer generation (started again, it rejoins as a returning host)"], output[-4000:]
+    assert "restart 1 of" in output, output[-4000:]
+    rejoined = output.split("this host came back after", 1)[1]
+    assert 2 in [w for _, w in generations(rejoined)], rejoined[-3000:]
+    steps = samples // 2 // SHARE_BATCH
+    found, expected = cadence_checkpoints(checkpoints, steps, but=step)
+    assert found == expected, (step, found)  # every checkpoint of the job, and nothing of the frozen host's
+    state, path = load_for_resume(checkpoints, "auto")
+    assert path == checkpoints / f"step-{steps:08d}.pt" and state["global_step"] == steps
+    assert not list(checkpoints.rglob(".tmp-*")) and not list(checkpoints.glob(".retired-*"))
+    assert len(list(checkpoints.glob(".generation-*"))) == 1, list(checkpoints.glob(".generation*"))
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_background_write_that_spans_a_change_of_membership_is_not_committed_and_the_host_trains_on(
+        hosts, tmp_path, launches):
+    """--checkpoint-async: the writing host's background write is held right before its rename while the other
+    host is lost; the writing host goes on alone in a newer generation, which retires the held write's generation's
+    folder. That checkpoint is not committed, with one warning, and not counted as committed; the host, still in
+    the job, is not fenced: its next checkpoint commits, and it trains to the end and writes the last one."""
+    checkpoints, samples, port = tmp_path / "checkpoints", 3200, free_port()  # 100 steps
+    lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)  # either host may be the one lost
+    try:
+        # Slower steps: the host must regroup alone before its next checkpoint, which waits for the held write.
+        writer, other, step, _ = held_writer(hosts, tmp_path, port, launches, "--step-seconds", "0.4",
+                                             samples=samples, TRAIN_CHECKPOINT_ASYNC="1")
+        os.kill(other.pid, signal.SIGKILL)
+        wait_until(lambda: generations(writer.output())[-1][1] == 1, RUN_BOUND_S,
+                   f"the writing host alone\n{writer.output()[-3000:]}")
+        (tmp_path / "hold").unlink()
+        assert writer.wait(RUN_BOUND_S) == 0, writer.output()[-4000:]
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    output = writer.output()
+    warned = [line for line in output.splitlines() if "was not committed" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        f"in place: the checkpoint of step {step} was not committed: the membership changed while it was written "
+        "(the next one commits)"), output[-4000:]
+    assert not error_lines(output) and "restart 1 of" not in output, output[-4000:]
+    steps = samples // 2 // SHARE_BATCH
+    found, expected = cadence_checkpoints(checkpoints, steps, but=step)
+    assert found == expected, (step, found)
+    assert newest_checkpoint(checkpoints)["global_step"] == steps
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
@@ -426,7 +535,7 @@ def lose_the_first(first: Launch, checkpoints: Path, past: int) -> tuple[list[in
     step once they are gone)."""
     wait_until(lambda: newest_step(checkpoints) >= past + 20, RUN_BOUND_S,
                f"the first host further\n{first.output()[-3000:]}")
-    lost = list(first.workers().values())
+    lost = workers(first)  # the script's workers (Launch.workers() finds `python -m trainer` ones only)
     os.kill(first.pid, signal.SIGKILL)
     wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
     return lost, newest_step(checkpoints)
@@ -458,7 +567,7 @@ def test_a_host_started_again_as_the_job_finishes_trains_nothing_and_writes_noth
             ) in output, output[-4000:]
     assert f"nothing to do: {tmp_path / 'checkpoints'}/step-{steps:08d}.pt is at step {steps}" in output, output
     assert not seen(tmp_path).get(worker), "the second host trained steps again"
-    assert committed(tmp_path) == finished and not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert committed(tmp_path) == finished and not list((tmp_path / "checkpoints").rglob(".tmp-*"))
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 

@@ -24,6 +24,7 @@ from trainer.checkpoint.state import Position, Registered
 from trainer.checkpoint.claim import claim, job_settings
 from trainer.checkpoint.store import (
     CheckpointError,
+    Superseded,
     ensure_output_dir,
     leave_marker,
     load_for_resume,
@@ -96,12 +97,16 @@ class Checkpointer:
             log.warning("--checkpoint-async: this torch has no torch.distributed.checkpoint.async_save; fsdp's "
                         "checkpoints are written in the step")
         self._writer: threading.Thread | None = None
-        self._write_failed: CheckpointError | Fenced | None = None
+        self._write_failed: CheckpointError | None = None
+        self._superseded: int | None = None  # the step of a background write whose generation ended first (in place)
         self._copy: Any = None  # rank 0's CPU copy of the last background checkpoint, reused by the next
         self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
         # In-place recovery: hosts hold the same state, and one writes it (the first of the generation, which may
-        # change with every membership); fence raises trainer.core.errors.Fenced for a host the job went on without.
+        # change with every membership). staging: the folder of the generation of the state being written, which a
+        # commit must still find (store.save); fence, once a commit did not: trainer.core.errors.Fenced for a host the
+        # job went on without.
         self.writes: Callable[[], bool] = lambda: True
+        self.staging: Callable[[], Path | None] = lambda: None
         self.fence: Callable[[], None] | None = None
         self.job: str | None = None  # in-place recovery: the job whose hosts hold the directory together
         self._claimed: list = []
@@ -282,58 +287,79 @@ class Checkpointer:
                          self.built)
         self.last_requested = pos.step
         if background and self.background:
-            if self.sharded:  # every rank: its shard copied now, written by DCP's thread, committed by rank 0
-                model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
-                rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
-                try:
-                    finish = save_sharded_in_background(self.directory, pos.step, model, optimizer, rest, self.ctx,
-                                                        self.keep, (model_name, optim_name), self._background_group)
-                except CheckpointError as err:
-                    raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
-                self._writer = threading.Thread(target=self._write, args=(pos.step, finish), name="checkpoint-writer")
-                self._writer.start()
-            elif self.ctx.is_main and self.writes():  # a copy the next steps cannot change, written in a thread
-                # Into the previous copy's tensors where they fit: a fresh copy also faults in and zeroes every
-                # page, in the step. The previous write is done (wait() above), so nothing reads them.
-                state = cpu_copy(ckpt.snapshot(self.objects, info), reuse=self._copy)
-                self._copy = state
-                self._writer = threading.Thread(target=self._write, args=(pos.step, state), name="checkpoint-writer")
-                self._writer.start()
-            return
+            self._in_background(pos.step, info)
+        else:
+            self._now(pos.step, info)
+
+    def _in_background(self, step: int, info: dict[str, Any]) -> None:
+        if self.sharded:  # every rank: its shard copied now, written by DCP's thread, committed by rank 0
+            model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
+            rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
+            try:
+                finish = save_sharded_in_background(self.directory, step, model, optimizer, rest, self.ctx,
+                                                    self.keep, (model_name, optim_name), self._background_group)
+            except CheckpointError as err:
+                raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
+            self._writer = threading.Thread(target=self._write, args=(step, finish), name="checkpoint-writer")
+            self._writer.start()
+        elif self.ctx.is_main and self.writes():  # a copy the next steps cannot change, written in a thread
+            # Into the previous copy's tensors where they fit: a fresh copy also faults in and zeroes every
+            # page, in the step. The previous write is done (wait() above), so nothing reads them.
+            state = cpu_copy(ckpt.snapshot(self.objects, info), reuse=self._copy)
+            self._copy = state
+            self._writer = threading.Thread(target=self._write, args=(step, state, self.staging()),
+                                            name="checkpoint-writer")
+            self._writer.start()
+
+    def _now(self, step: int, info: dict[str, Any]) -> None:
+        committed = True
         try:
             with writing():
                 if self.sharded:
                     model_name, model, optim_name, optimizer = self.objects.sharded_pair(self.labels.checkpoint_dir)
                     rest = ckpt.snapshot(self.objects, info, skip=(model_name, optim_name))
-                    path = save_sharded(self.directory, pos.step, model, optimizer, rest, self.ctx, self.keep,
+                    path = save_sharded(self.directory, step, model, optimizer, rest, self.ctx, self.keep,
                                         (model_name, optim_name))
                 else:
                     writer = self.ctx.is_main and self.writes()
                     state = ckpt.snapshot(self.objects, info) if writer else None
-                    path = save(self.directory, pos.step, state, self.keep, self.fence) if writer else None
+                    path = save(self.directory, step, state, self.keep, self.staging()) if writer else None
         except CheckpointError as err:  # the store names the built-in loop's flag
             raise CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1)) from None
+        except Superseded:
+            self._not_committed(step)
+            path, committed = None, False
         if path is not None and self.ctx.is_main:
             log.info("checkpoint committed: %s", path)
-        self.last_committed = pos.step
+        if committed:
+            self.last_committed = step
         collectives.barrier(self.ctx)  # nobody runs ahead (or exits) before the checkpoint is on disk
 
-    def _write(self, step: int, state: dict[str, Any] | Callable[[], Path]) -> None:
-        """The writer thread: rank 0's copy of the state, or (fsdp) the function that waits for the shards and
-        commits them."""
+    def _write(self, step: int, state: dict[str, Any] | Callable[[], Path], staging: Path | None = None) -> None:
+        """The writer thread: rank 0's copy of the state (its temp file in `staging`, see store.save), or (fsdp) the
+        function that waits for the shards and commits them."""
         idle_priority()
         try:
             with writing():
-                path = state() if callable(state) else save(self.directory, step, state, self.keep, self.fence)
+                path = state() if callable(state) else save(self.directory, step, state, self.keep, staging)
         except CheckpointError as err:
             self._write_failed = CheckpointError(str(err).replace("--checkpoint-dir", self.labels.checkpoint_dir, 1))
             return
-        except Fenced as err:  # raised in the step that waits for this write
-            self._write_failed = err
+        except Superseded:  # told by the step that waits for this write: this thread cannot tell why
+            self._superseded = step
             return
         if self.ctx.is_main:
             log.info("checkpoint committed: %s", path)
         self.last_committed = step
+
+    def _not_committed(self, step: int) -> None:
+        """In place: the generation of the checkpoint of `step` ended before its commit, and nothing was published.
+        A host the job went on without leaves (fence raises trainer.core.errors.Fenced); a host still in the job
+        (its background write spanned a change of membership) goes on, and its next checkpoint commits."""
+        if self.fence is not None:
+            self.fence()
+        log.warning("in place: the checkpoint of step %d was not committed: the membership changed while it was "
+                    "written (the next one commits)", step)
 
     def wait(self) -> None:
         """The background write in flight, if any, committed; its failure raised (on rank 0, which wrote it)."""
@@ -343,6 +369,9 @@ class Checkpointer:
         if self._write_failed is not None:
             failed, self._write_failed = self._write_failed, None
             raise failed
+        if self._superseded is not None:
+            step, self._superseded = self._superseded, None
+            self._not_committed(step)
 
     def diverged(self, at_step: int) -> Diverged:
         newest = (f"the newest checkpoint is step {self.last_committed}" if self.last_committed is not None else
@@ -354,7 +383,7 @@ class Checkpointer:
         """The write in flight finishes first (a crash in the user's code still commits it)."""
         try:
             self.wait()
-        except CheckpointError as err:
+        except (CheckpointError, Fenced) as err:
             log.error("%s", err)
         self._copy = None
         for lock in self._claimed:

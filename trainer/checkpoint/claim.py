@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -20,9 +21,13 @@ from typing import IO, Any
 
 from trainer.config.settings import SHAPES_TRAINING
 from trainer.core.errors import UsageError
-from trainer.core.files import fsync_file, temp_path, write_json_atomic
+from trainer.core.files import TEMP_PREFIX, fsync_file, temp_path, write_json_atomic
 
 LOCK_NAME = ".lock"
+# In-place recovery's generations (trainer.checkpoint.store, open_generation): torchft's quorum ids, one per membership.
+GENERATION_FILE = ".generation"  # the newest generation that trained (its number)
+GENERATION_PREFIX = ".generation-"  # + the number: a generation's folder for temp files (no step-* name: never resumed)
+RETIRED_PREFIX = ".retired-generation-"
 
 
 def claim(directory: Path, job: str | None = None) -> IO[str]:
@@ -38,6 +43,7 @@ def claim(directory: Path, job: str | None = None) -> IO[str]:
     except OSError:
         raise _in_use(lock, directory) from None
     _say_holder(lock, f"pid {os.getpid()} on {socket.gethostname()}")
+    clear_leftovers(directory)
     return lock
 
 
@@ -62,9 +68,7 @@ def _claim_for_job(lock: IO[str], directory: Path, job: str) -> IO[str]:
             pass
         else:
             _say_holder(lock, f"{JOB_HOLDER}{job}, first taken by pid {os.getpid()} on {socket.gethostname()}")
-            for previous in (JOB_SETTINGS, JOB_ENDED):  # the previous job's
-                with contextlib.suppress(FileNotFoundError):
-                    (directory / previous).unlink()
+            clear_leftovers(directory)
         try:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
             break
@@ -75,6 +79,31 @@ def _claim_for_job(lock: IO[str], directory: Path, job: str) -> IO[str]:
     if _holder(lock).startswith(f"{JOB_HOLDER}{job},"):
         return lock
     raise _in_use(lock, directory)
+
+
+def clear_leftovers(directory: Path) -> None:
+    """The directory taken while no other process of any job holds it: the temp files of writers killed mid-write
+    and what in-place jobs leave (their generations' folders and newest number, the settings of the job that held
+    it) belong to no live process, and a new job's generations (numbered afresh by its lighthouse) must not be taken
+    for older than a finished job's. The record of a job's end stays: a host of that job started late finds it
+    (check_ended); the next job's first generation removes it."""
+    remove_stale_temps(directory)
+    for path in [*directory.glob(f"{GENERATION_PREFIX}*"), *directory.glob(f"{RETIRED_PREFIX}*"),
+                 directory / GENERATION_FILE, directory / JOB_SETTINGS]:
+        remove(path)
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Temp files left by a writer that was killed mid-save are never valid checkpoints."""
+    for temp in directory.glob(f"{TEMP_PREFIX}*"):
+        remove(temp)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _say_holder(lock: IO[str], words: str) -> None:
@@ -119,21 +148,30 @@ class Ended(Exception):
     """This host came to an in-place job that has ended: nothing to train, nothing to write (str(): its line)."""
 
 
-def record_end(directory: Path, job: str, step: int) -> None:
-    """The in-place job trained to its end (its writing host says so once it committed the last checkpoint): a host
-    of the job started again after that finds it here, whether or not the lighthouse still answers."""
-    write_json_atomic(directory / JOB_ENDED, {"job": job, "step": step})
+def record_end(directory: Path, job: str, step: int, settings: dict[str, Any]) -> None:
+    """The in-place job trained to its end (its writing host says so once it committed the last checkpoint), with
+    these settings: a host of the job started after that finds it here (check_ended), whether or not the lighthouse
+    still answers. It stays until a job trains in the directory again (forget_end)."""
+    write_json_atomic(directory / JOB_ENDED, {"job": job, "step": step, "settings": _shaping(settings)})
+
+
+def forget_end(directory: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (directory / JOB_ENDED).unlink()
 
 
 def check_ended(directory: Path, job: str, settings: dict[str, Any]) -> None:
-    """Ended, if `directory` says the job `job` trained to its end with these settings (a job with other settings
-    in the same directory is a new one, started again to train on: not ended)."""
+    """Ended, if `directory` says the job `job` trained to its end with these settings (the same command with other
+    settings is a new job, started to train on: not ended)."""
     try:
         end = json.loads((directory / JOB_ENDED).read_text())
-        recorded = json.loads((directory / JOB_SETTINGS).read_text())["settings"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return
-    mine = json.loads(json.dumps({key: settings.get(key) for key in SHAPES_TRAINING if key in recorded}, default=str))
-    if end.get("job") == job and mine == {key: recorded[key] for key in mine}:
+    if isinstance(end, dict) and end.get("job") == job and end.get("settings") == _shaping(settings):
         raise Ended(f"nothing to do: the in-place job of the lighthouse at {job} ended at step {end.get('step')} "
                     f"({directory / JOB_ENDED}); this host, started as it ended, has nothing to train")
+
+
+def _shaping(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings that shape the training, as JSON reads them back."""
+    return json.loads(json.dumps({key: settings.get(key) for key in SHAPES_TRAINING}, default=str))

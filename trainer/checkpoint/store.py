@@ -1,6 +1,8 @@
 """Checkpoints: what they hold, and committing them (a checkpoint exists only once it is fully on disk).
 
-Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N.
+Write to a temp file in the same directory, fsync, rename, fsync the directory; keep the newest N. Under in-place
+recovery the temp file is written in its generation's folder of the directory instead, and the rename commits only
+while that generation is the job's (open_generation).
 At resume the newest file that loads is used; a truncated or corrupt one is skipped with a warning.
 A run's checkpoints form one line: a run resumed from step S (or started afresh, at 0) continues from there, and the
 committed checkpoints above S, the future it abandons, are set aside in a folder of their own (nothing is deleted),
@@ -25,6 +27,14 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.checkpoint.claim import (  # noqa: F401 (claim: the store's callers take it from here too)
+    GENERATION_FILE,
+    GENERATION_PREFIX,
+    RETIRED_PREFIX,
+    claim,
+    remove,
+    remove_stale_temps,
+)
 from trainer.checkpoint.state import FORMAT
 from trainer.config.resume import NAME, list_checkpoints  # the checkpoints' names on disk (one home)
 from trainer.core.errors import UsageError, first_line, os_reason
@@ -115,11 +125,69 @@ def set_aside_after(directory: Path, step: int) -> tuple[Path, list[str]] | None
     return folder, [path.name for path in later]
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+# In-place recovery (trainer.engine.inplace): a generation is torchft's quorum id, one per membership. Its first host
+# writes the number to GENERATION_FILE and makes the generation's folder, where the checkpoints of its state are
+# written before the rename that commits them; the next generation's first host retires the folder (one rename), so a
+# writer of an older generation cannot commit, however long it was frozen: its rename finds no file.
+# (Their names: trainer.checkpoint.claim, whose first holder of a directory clears what dead jobs left.)
+
+
+class Superseded(Exception):
+    """In place: the generation whose folder held a checkpoint's temp file ended before its commit (a newer generation
+    retired the folder); nothing was published."""
+
+
+def generation_folder(directory: Path, generation: int) -> Path:
+    return directory / f"{GENERATION_PREFIX}{generation}"
+
+
+def generations_on_disk(directory: Path) -> list[int]:
+    """The generations whose folders are in `directory` (not retired)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for path in directory.iterdir():
+            number = path.name[len(GENERATION_PREFIX):]
+            if path.name.startswith(GENERATION_PREFIX) and number.isdigit():
+                found.append(int(number))
+    return found
+
+
+def open_generation(directory: Path, generation: int) -> int | None:
+    """The first host of a new generation, before anyone trains in it: the generation's folder made and every older
+    one retired. A newer generation's folder found there means that this host is the stale one (frozen between its
+    quorum and here): its folder is retired at once, and that newer generation returned; else None. CheckpointError:
+    the folder cannot be made (the checkpoints of this generation could not be committed)."""
+    folder = generation_folder(directory, generation)
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"--checkpoint-dir: cannot write {folder}: {os_reason(err)} (make {directory} a "
+                              f"writable directory for uid {os.getuid()})") from None
+    # Checked after the folder is made: a newer generation's first host that listed the folders before it was made
+    # made its own first, so one of the two always sees the other.
+    newer = [g for g in generations_on_disk(directory) if g > generation]
+    for other in [generation] if newer else [g for g in generations_on_disk(directory) if g < generation]:
+        _retire(directory, other)
+    for retired in directory.glob(f"{RETIRED_PREFIX}*"):  # any left by a retirement that could not finish
+        shutil.rmtree(retired, ignore_errors=True)
+    return max(newer, default=None)
+
+
+def _retire(directory: Path, generation: int) -> None:
+    # One rename: a writer of that generation opens its temp file and renames it out by the generation's name, so from
+    # this rename on it cannot commit (a frozen writer cannot be halfway through a rename). The retired folder is then
+    # removed: no one reaches into it by a path any more, and a frozen writer writing into an open file of it writes
+    # into an unlinked one.
+    retired = directory / f"{RETIRED_PREFIX}{generation}.{secrets.token_hex(4)}"
+    try:
+        os.rename(generation_folder(directory, generation), retired)
+    except FileNotFoundError:  # another host retired it
+        return
+    except OSError as err:
+        log.warning("in place: cannot retire %s (%s): a host of that generation frozen while it wrote a checkpoint "
+                    "could still commit it", generation_folder(directory, generation), os_reason(err))
+        return
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def save_sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx: DistContext, keep: int,
@@ -148,7 +216,7 @@ def _sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any],
     def failed(err: BaseException) -> CheckpointError:
         full = _out_of_space(err, directory) or "No space left" in str(err)  # before the partial shards go
         if ctx.is_main:
-            _remove(directory / f"{TEMP_PREFIX}{final.name}")
+            remove(directory / f"{TEMP_PREFIX}{final.name}")
         return _save_failed(err, final, directory, full, " on every host")
 
     try:
@@ -164,44 +232,72 @@ def _sharded(directory: Path, step: int, model, optimizer, rest: dict[str, Any],
                 raise failed(err) from None
         if ctx.is_main:
             for old in list_checkpoints(directory)[keep:]:
-                _remove(old)
-            _remove_stale_temps(directory)
+                remove(old)
+            remove_stale_temps(directory)
         return final
     return committed
 
 
-def save(directory: Path, step: int, state: dict[str, Any], keep: int, fence: Callable[[], None] | None = None
-         ) -> Path:
-    """fence: called once the file is written, before it is committed; what it raises (trainer.core.errors.Fenced:
-    the job went on without this host) leaves nothing behind."""
+def save(directory: Path, step: int, state: dict[str, Any], keep: int, staging: Path | None = None) -> Path:
+    """staging: the folder the temp file is written in and renamed out of (in place: its generation's, see
+    open_generation), which must still be there at the rename: if it was retired, Superseded and nothing published.
+    None: the directory itself."""
     final = checkpoint_path(directory, step)
     measured: list[bool] = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # The free space is measured while the partial temp file still fills the disk: once it is removed,
         # a full disk no longer looks full.
-        with atomic_file(final, before_cleanup=lambda err: measured.append(_out_of_space(err, directory))) as f:
+        with atomic_file(final, before_cleanup=lambda err: measured.append(_out_of_space(err, directory)),
+                         folder=staging) as f:
             torch.save(state, f)
-            if fence is not None:
-                fence()
+            _hold_for_tests(step)
     except (OSError, RuntimeError) as err:
+        if staging is not None and not staging.is_dir():
+            raise Superseded(f"{final.name}: {staging.name} was retired before its commit") from None
         full = measured[0] if measured else _out_of_space(err, directory)
         raise _save_failed(err, final, directory, full) from None
     for old in list_checkpoints(directory)[keep:]:
-        _remove(old)
-    _remove_stale_temps(directory)
+        remove(old)
+    if staging is None:  # in place the directory is shared: its temp files may be another host's, being written
+        remove_stale_temps(directory)
     return final
 
 
+HOLD_ENV = "TRAINER_TEST_HOLD_BEFORE_COMMIT"
+
+
+def _hold_for_tests(step: int) -> None:
+    """A test's hook (tests/test_inplace.py), unset otherwise: a test must stop a writer exactly between the end of its
+    write and the rename that commits it, which no sleep or signal's timing can do. While the file HOLD_ENV names
+    exists, the writer says it is there (<that file>.reached: the step and its pid) and waits for the file to go."""
+    hold = os.environ.get(HOLD_ENV)
+    if not hold or not os.path.exists(hold):
+        return
+    with atomic_file(Path(f"{hold}.reached"), "w", durable=False) as f:
+        f.write(f"{step} {os.getpid()}\n")
+    while os.path.exists(hold):
+        time.sleep(0.05)
+
+
 def _save_failed(err: BaseException, final: Path, directory: Path, full: bool, where: str = "") -> CheckpointError:
-    older = list_checkpoints(directory)
-    kept = (f"the {len(older)} older checkpoint(s) are intact, the newest {older[0].name}" if older else
-            "no earlier checkpoint exists")
+    kept = _intact(final, directory)
     if full:
         return CheckpointError(f"--checkpoint-dir: no space left on device while writing {final.name} (free space "
                                f"in {directory}; {kept})")
     return CheckpointError(f"--checkpoint-dir: cannot write {final}: {first_line(err)} (make {directory} a writable "
                            f"directory for uid {os.getuid()}{where}; {kept})")
+
+
+def _intact(final: Path, directory: Path) -> str:
+    """The checkpoints a failed write left as they were: older ones, or (another host's, in place) newer ones too."""
+    found = list_checkpoints(directory)
+    older = [p for p in found if step_of(p) < step_of(final)]
+    if not found:
+        return "no earlier checkpoint exists"
+    if len(older) == len(found):
+        return f"the {len(older)} older checkpoint(s) are intact, the newest {older[0].name}"
+    return f"the {len(found)} checkpoint(s) there are intact, the newest {found[0].name}"
 
 
 def _out_of_space(err: BaseException, directory: Path) -> bool:
@@ -211,12 +307,6 @@ def _out_of_space(err: BaseException, directory: Path) -> bool:
     with contextlib.suppress(OSError):
         return shutil.disk_usage(directory).free < FULL_DISK_BYTES
     return False
-
-
-def _remove_stale_temps(directory: Path) -> None:
-    """Temp files left by a writer that was killed mid-save are never valid checkpoints."""
-    for temp in directory.glob(f"{TEMP_PREFIX}*"):
-        _remove(temp)
 
 
 def load(path: Path) -> dict[str, Any]:

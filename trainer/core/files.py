@@ -4,6 +4,8 @@ A file is written under a temp name in its own directory (the rename must stay o
 and fsynced, renamed over its final name, and the directory is fsynced so the rename itself survives a power
 loss. A reader therefore sees the whole old file or the whole new one, never a torn one. A writer killed
 mid-write leaves a temp file (TEMP_PREFIX...) that its directory's owner removes (checkpoint rotation does).
+A temp file may also be written in a folder of the same directory (`folder`): the rename then publishes only if
+that folder is still there (in-place recovery's generations, trainer.checkpoint.store).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import IO, Any, Callable, Iterator
 TEMP_PREFIX = ".tmp-"
 
 
-def temp_path(path: Path) -> Path:
-    """Where `path` is written before it is renamed into place: hidden, in the same directory, and unique to
-    this process (two writers of one name never share a temp file)."""
-    return path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}")
+def temp_path(path: Path, folder: Path | None = None) -> Path:
+    """Where `path` is written before it is renamed into place: hidden, in the same directory (or in `folder`, on
+    the same file system), and unique to this process (two writers of one name never share a temp file)."""
+    return (path.parent if folder is None else folder) / f"{TEMP_PREFIX}{path.name}.{os.getpid()}"
 
 
 def fsync_dir(directory: Path) -> None:
@@ -43,13 +45,14 @@ def commit(temp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, durable: bool = True,
-              before_cleanup: Callable[[BaseException], object] | None = None) -> Iterator[Path]:
+def replacing(path: Path, durable: bool = True, before_cleanup: Callable[[BaseException], object] | None = None,
+              folder: Path | None = None) -> Iterator[Path]:
     """`with replacing(path) as temp:` write `temp` (any writer that takes a path); on success it replaces `path`
     (fsynced first, the rename too, when durable), on failure it is removed and `path` stays as it was.
     durable=False skips the fsyncs, for files whose loss in a power cut costs nothing (they are rewritten).
-    before_cleanup(error) runs on failure while the temp file still exists (to measure what it filled)."""
-    temp = temp_path(path)
+    before_cleanup(error) runs on failure while the temp file still exists (to measure what it filled). folder: where
+    the temp file is written (temp_path)."""
+    temp = temp_path(path, folder)
     try:
         yield temp
         if durable:
@@ -68,9 +71,10 @@ def replacing(path: Path, durable: bool = True,
 
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "wb", durable: bool = True,
-                before_cleanup: Callable[[BaseException], object] | None = None) -> Iterator[IO]:
+                before_cleanup: Callable[[BaseException], object] | None = None,
+                folder: Path | None = None) -> Iterator[IO]:
     """`with atomic_file(path) as f: f.write(...)`: `path` holds everything written, or stays as it was."""
-    with replacing(path, durable, before_cleanup) as temp, open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+    with replacing(path, durable, before_cleanup, folder) as temp, open(temp, mode, **({} if "b" in mode else {"newline": ""})) as f:
         yield f
 
 

@@ -22,8 +22,11 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
 Fencing: a host that comes back after the others went on without it (SIGSTOP, a long pause, a cut network, or
 heartbeats the lighthouse received too late on an overloaded machine) must not write a checkpoint or join the newer
 group. The generation is torchft's quorum id: the first rank of each new generation writes it to the checkpoint
-directory (GENERATION_FILE); a host reads it before each step's quorum and before committing a checkpoint, and a
-host healed after a generation it never saw is fenced too. Either way it leaves with one line
+directory (GENERATION_FILE) and makes the generation's folder there, retiring the older generations' folders
+(trainer.checkpoint.store.open_generation). A host reads the newest generation before each step's quorum; its
+checkpoints are written in its generation's folder and committed by a rename out of it, which finds nothing once that
+generation is retired: a host frozen anywhere in a write, even between a check and the rename, cannot commit. A host
+healed after a generation it never saw is fenced too. Either way it leaves with one line
 (trainer.core.errors.Fenced); its launcher starts it again, and it rejoins as a returning host.
 
 Why not torchft's own DistributedDataParallel: with torch 2.14 and gloo its comm hook fails an assertion on the
@@ -45,6 +48,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from trainer.checkpoint.claim import forget_end
+from trainer.checkpoint.store import (
+    GENERATION_FILE,
+    CheckpointError,
+    generation_folder,
+    generations_on_disk,
+    open_generation,
+)
 from trainer.config.settings import (INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV,
                                      REPLICA_ENV, SHAPES_TRAINING)
 from trainer.core.errors import Fenced, UsageError
@@ -54,7 +65,6 @@ from trainer.parallel import collectives
 from trainer.parallel.context import DistContext, collective_failure
 
 log = logging.getLogger("trainer")
-GENERATION_FILE = ".generation"  # in the checkpoint directory: the newest generation (quorum id) that trained
 MAX_ABANDONED = 100  # steps abandoned in a row before the run ends: one that never commits is not training
 
 
@@ -78,7 +88,9 @@ class InPlace:
         self.ctx, self.state, self.load, self.newer = ctx, state, load, newer
         self.largest = int(env[INPLACE_WORLD_ENV])
         self.lighthouse = env[LIGHTHOUSE_ENV].strip()
-        self.generation_file = Path(checkpoint_dir) / GENERATION_FILE
+        self.directory = Path(checkpoint_dir)
+        self.generation_file = self.directory / GENERATION_FILE
+        self.label = "--checkpoint-dir"  # the setting as the run's user names it (Run sets it)
         self.quorum: tuple[int, int, int] | None = None  # (generation, replica rank, replicas) this process is in
         self.shares: list[int] = []
         self.healed = False       # this step began with the state of a peer
@@ -196,7 +208,7 @@ class InPlace:
                          f", {self.transport.moved_bytes / 2**20:.1f} MiB" if moved else "",
                          "; healed from a peer" if self.healed else "")
             if replica == 0 and self.ctx.is_local_main:
-                self._write_generation(quorum[0])
+                self._open_generation(quorum[0])
             self.quorum = quorum
         # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
         # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
@@ -293,32 +305,56 @@ class InPlace:
         self._took_over = True
 
     # ------------------------------------------------------------------ fencing
-    def _write_generation(self, generation: int) -> None:
+    def _open_generation(self, generation: int) -> None:
+        """The first host of a new generation, before anyone trains in it: the generation's folder, where its
+        checkpoints are written, and the older ones retired (a writer of theirs can no longer commit); then its
+        number in GENERATION_FILE."""
         try:
-            self.generation_file.parent.mkdir(parents=True, exist_ok=True)
+            newer = open_generation(self.directory, generation)
+        except CheckpointError as err:  # the store names the built-in loop's flag
+            raise CheckpointError(str(err).replace("--checkpoint-dir", self.label, 1)) from None
+        if newer is not None:  # frozen between its quorum and here: that generation is over
+            raise self._fenced(generation, newer, "at a step's start")
+        forget_end(self.directory)  # a job trains here again: a late host of an earlier one must not end on its record
+        try:
             with atomic_file(self.generation_file, "w", durable=False) as f:
                 f.write(f"{generation}\n")
-        except OSError as err:  # the checkpoints' own writes say it better; fencing then rests on the quorum
+        except OSError as err:  # the generations' folders fence the commits; this number only tells the hosts sooner
             log.warning("in place: cannot write %s (%s)", self.generation_file, err.strerror)
 
     def newest_generation(self) -> int | None:
+        """The job's newest generation: the number its first host wrote, or a newer generation's folder (a host that
+        was frozen before it wrote its own number may write it over a newer one)."""
+        found = generations_on_disk(self.directory)
         try:
-            return int(self.generation_file.read_text().strip())
+            found.append(int(self.generation_file.read_text().strip()))
         except (OSError, ValueError):
-            return None
+            pass
+        return max(found, default=None)
 
     def check_fence(self, when: str) -> None:
         """Leave (Fenced) if a generation newer than this host's trained without it."""
         newest = self.newest_generation()
         if self.trained and self.quorum is not None and newest is not None and newest > self.quorum[0]:
-            raise Fenced(f"in place: this host came back after the job went on without it (generation "
-                         f"{self.quorum[0]}, the job's is {newest}: it was frozen, paused or cut off; noticed {when}): "
-                         "it leaves, having written nothing of the newer generation (started again, it rejoins as a "
-                         "returning host)")
+            raise self._fenced(self.quorum[0], newest, when)
+
+    def staging(self) -> Path | None:
+        """Where a checkpoint of this host's state now is written: its generation's folder (the checkpointer calls
+        it when it takes the state)."""
+        return None if self.quorum is None else generation_folder(self.directory, self.quorum[0])
 
     def fence(self) -> None:
-        """Before a checkpoint is committed (the checkpointer calls it)."""
-        self.check_fence("before committing a checkpoint")
+        """A checkpoint of this host's was not committed, its generation having ended (the checkpointer calls it):
+        Fenced if the job went on without this host; else the membership changed while it wrote, this host with it."""
+        newest = self.newest_generation()
+        if self.quorum is not None and newest is not None and newest > self.quorum[0]:
+            raise self._fenced(self.quorum[0], newest, "before committing a checkpoint")
+
+    @staticmethod
+    def _fenced(own: int, newest: int, when: str) -> Fenced:
+        return Fenced(f"in place: this host came back after the job went on without it (generation {own}, the job's "
+                      f"is {newest}: it was frozen, paused or cut off; noticed {when}): it leaves, having written "
+                      "nothing of the newer generation (started again, it rejoins as a returning host)")
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:

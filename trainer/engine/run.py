@@ -169,6 +169,7 @@ class Run:
             self._if_the_job_ended()
             raise
         self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
+        self.checkpointer.staging, replicas.label = replicas.staging, self._label("checkpoint_dir")
         return replicas
 
     def _if_the_job_ended(self) -> None:
@@ -778,7 +779,8 @@ class Run:
             summary["world_size"] = self.world_size  # in place: the job's at its end
             code = 0 if self.observers.write_summary(summary) else 1
             if self._inplace is not None and status == "completed" and self.is_main:
-                record_end(self.checkpointer.directory, self.checkpointer.job, self.position.step)
+                record_end(self.checkpointer.directory, self.checkpointer.job, self.position.step,
+                           self.settings.as_dict())
         left = self._supervised.leave(self.stopped, self.position.step,
                                       self.checkpointer.last_committed == self.position.step)
         code = left or code
