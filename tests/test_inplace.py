@@ -732,10 +732,9 @@ def test_a_host_with_other_settings_is_refused_naming_them_and_the_job_goes_on_w
     first_checkpoint(first, checkpoints)
     job = f"the in-place job it joins (its lighthouse at http://{MASTER_ADDR}:{port}) has"
     for args, differs in [(["--epochs", "2"], "--epochs: this host has --epochs 2; {job} --epochs 1"),
-                          (["--seed", "1", "--lr", "0.05"], "--lr, --seed: this host has --lr 0.05, --seed 1; {job} "
-                                                            "--lr 0.1, --seed 0"),
-                          (["--label-smoothing", "0.1"], "--label-smoothing: this host has --label-smoothing 0.1; {job} "
-                                                         "--label-smoothing 0.0")]:
+                          (["--seed", "1", "--lr", "0.05", "--label-smoothing", "0.1"],
+                           "--lr, --label-smoothing, --seed: this host has --lr 0.05, --label-smoothing 0.1, --seed 1; "
+                           "{job} --lr 0.1, --label-smoothing 0.0, --seed 0")]:
         joining = builtin_host(tmp_path, port, f"host{args[0]}", hosts[1], *args)
         launches.append(joining)
         assert refused(joining) == [f"error: {differs.format(job=job)} (every host of an in-place job trains with "
