@@ -638,6 +638,66 @@ def test_a_lighthouse_that_cannot_be_reached_is_one_line_naming_it_and_exit_2_be
     assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("seen-*"))
 
 
+# Accepts every connection and never says a word (holds them open): a service that waits for its client to speak.
+SILENT_LISTENER = ("import socket, sys\nserver = socket.create_server((sys.argv[1], int(sys.argv[2])))\nheld = []\n"
+                   "while True:\n    held.append(server.accept())\n")
+
+
+@pytest.mark.slow
+def test_something_else_at_the_lighthouses_port_is_one_line_and_exit_2_at_once(hosts, tmp_path, launches):
+    """A plain HTTP server, or a listener that says nothing, at MASTER_ADDR:MASTER_PORT is not torchft's lighthouse:
+    refused at once in one line (it was taken for the lighthouse, and the workers sat silent in their quorum), from
+    another host and from the MASTER_ADDR host; there also a server that holds the port on another address of the
+    host (the launcher's own lighthouse cannot have it, and nothing answers at MASTER_ADDR)."""
+    port = free_port()
+    http_server = [sys.executable, "-m", "http.server", "--bind"]
+    cases = [("http", [*http_server, MASTER_ADDR, str(port)], r"HTTP 200 OK from SimpleHTTP/[\d.]+ Python/[\d.]+",
+              hosts),
+             ("silent", [sys.executable, "-c", SILENT_LISTENER, MASTER_ADDR, str(port)],
+              r"it accepted the connection but gave no answer in \d+ s", hosts),
+             ("elsewhere", [*http_server, "127.0.0.1", str(port)],
+              re.escape(f"nothing does (Connection refused), and another process on this host holds port {port}"),
+              hosts[:1])]
+    for what, command, words, wheres in cases:
+        other = subprocess.Popen([*hosts[0].prefix, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda at=command[-2]: lighthouse_answers(hosts[0], port, at), 30, what)
+            for where in reversed(wheres):  # another host; the MASTER_ADDR host
+                launch = host(tmp_path, port, f"{what}-{where.node_rank}", where, RDZV_TIMEOUT="120")
+                launches.append(launch)
+                assert launch.wait(60) == 2, launch.output()
+                assert time.monotonic() - launch.started < 30, what  # not RDZV_TIMEOUT's 120 s
+                errors = [line for line in launch.output().splitlines() if line.startswith("error: ")]
+                assert len(errors) == 1 and re.fullmatch(
+                    re.escape(f"error: MASTER_ADDR: what answers at http://{MASTER_ADDR}:{port} is not torchft's "
+                              "lighthouse (") + words + re.escape(") (another service holds MASTER_PORT on the "
+                                                                  "MASTER_ADDR host; choose another MASTER_PORT, the "
+                                                                  "same on every host, or stop it)"), errors[0]), \
+                    launch.output()
+                assert not [line for line in launch.output().splitlines() if line.startswith("+ ")]  # no worker
+                assert "Traceback" not in launch.output(), launch.output()
+        finally:
+            other.kill()
+            other.wait()
+    assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("seen-*"))
+
+
+def test_a_lighthouse_whose_port_is_taken_is_one_line_and_exit_2():
+    """Run on its own (compose's service, by hand) on a port something else holds: one line, not torchft's
+    RuntimeError traceback. (The launcher's own lighthouse exits quietly there: the launcher's line says what.)"""
+    import socket
+
+    from helpers import clean_env
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port)],
+                              env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"error: --port: {port} is taken on this host (Address already in use) (stop what holds it, or choose another "
+        "port, the job's MASTER_PORT on every host)"], done.stderr
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen:
@@ -651,6 +711,6 @@ def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen
     return proc
 
 
-def lighthouse_answers(where: Host, port: int) -> bool:
-    probe = f"import socket; socket.create_connection(('{MASTER_ADDR}', {port}), timeout=1)"
+def lighthouse_answers(where: Host, port: int, address: str = MASTER_ADDR) -> bool:
+    probe = f"import socket; socket.create_connection(('{address}', {port}), timeout=1)"
     return subprocess.run([*where.prefix, sys.executable, "-c", probe], capture_output=True).returncode == 0

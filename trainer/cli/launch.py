@@ -117,17 +117,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen | None:
     """The lighthouse (beside this launcher, on the MASTER_ADDR host, unless one answers there already), then the
-    wait for it; the workers' environment (the agent passes this process's on). A lighthouse that never answers is
-    one line and exit 2 (UsageError)."""
+    wait for it; the workers' environment (the agent passes this process's on). A lighthouse that never answers, or
+    something else that answers in its place, is one line and exit 2 (UsageError)."""
     job, recovery = launch.job, launch.recovery
     host, port = job.master_addr, job.master_port
     bound = launch.settings.rdzv_timeout
     started = None
-    if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
-        timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
-            script_settings({}, env, job.world_size).collective_timeout
-        started = lighthouse.start(port, job.min_nodes, timeout)
-    why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started)
+    addr_var, port_var = job.variables("master_addr")[0], job.variables("master_port")[0]
+    try:
+        if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
+            timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
+                script_settings({}, env, job.world_size).collective_timeout
+            started = lighthouse.start(port, job.min_nodes, timeout)
+        why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started)
+    except lighthouse.NotTheLighthouse as seen:
+        raise UsageError(addr_var, f"what answers at {lighthouse.url(host, port)} is not torchft's lighthouse ({seen})",
+                         f"another service holds {port_var} on the MASTER_ADDR host; choose another {port_var}, the "
+                         "same on every host, or stop it") from None
     if why is not None:
         given = job.variables("master_addr", "master_port") or ["MASTER_ADDR", "MASTER_PORT"]
         raise UsageError(given[0], f"the lighthouse at {lighthouse.url(host, port)} cannot be reached ({why}; waited "
