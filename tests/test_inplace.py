@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -364,7 +365,40 @@ def test_a_second_host_lost_while_the_others_regroup_for_the_first(hosts, tmp_pa
     assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
     output = first.output()
     assert [w for _, w in generations(output)][-1] == 1, generations(output)
+    # Each line names its quorum's generation, a group that did not form too (it said the one before it again).
+    numbers = [g for g, _ in generations(output)]
+    assert numbers == sorted(set(numbers)), generations(output)
     check_the_order(tmp_path, survivor, samples // 3 // SHARE_BATCH, largest=3, samples=samples, losses=2)
+
+
+@pytest.mark.slow
+def test_a_host_whose_worker_is_killed_is_named_by_its_rank_in_the_job_and_rejoins(hosts, tmp_path, launches):
+    """Each host's agent runs a group of its own, whose rank 0 may be the job's rank 1: the restart line names the
+    rank in the job (and the host's replica), not the host's own. The workers' start says none of the two C++
+    warnings known harmless here (no DNS server answers in the namespaces: c10d's look-up of a name fails)."""
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0])
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1])
+    launches.append(second)
+    wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    replica = int(re.findall(r"this host is replica (\d+) ", second.output())[-1])
+    generation = generations(second.output())[-1][0]
+    os.kill(worker_pid(second), signal.SIGKILL)
+    restart = wait_until(lambda: re.search(r"^restart 1 of 10: .*$", second.output(), re.M), 60,
+                         f"the restart line\n{second.output()[-3000:]}")
+    assert restart.group(0) == (
+        f"restart 1 of 10: rank {replica} (host {socket.gethostname()}, replica {replica} of generation {generation}; "
+        "this host's rank 0) was killed by SIGKILL; this host's ranks start again (from the newest checkpoint, then a "
+        "live peer's state) and rejoin in place; the other hosts go on without them meanwhile"), restart.group(0)
+    wait_until(lambda: [w for _, w in generations(second.output().split(restart.group(0))[1])][-1:] == [2],
+               RUN_BOUND_S, f"the host back in\n{second.output()[-3000:]}")
+    for launch in (first, second):
+        output = launch.output()
+        assert "hostname of the client socket cannot be retrieved" not in output, output[-3000:]
+        assert "setSequenceNumberForGroup() is deprecated" not in output, output[-3000:]
 
 
 @pytest.mark.slow
@@ -622,6 +656,105 @@ def test_an_unknown_recovery_is_one_line_and_exit_2():
         "or comes (seconds per change); restart starts every host's workers again from the newest checkpoint)"]
 
 
+def test_an_in_place_job_says_it_runs_no_c10d_rendezvous(tmp_path):
+    """In place no c10d rendezvous runs across the hosts (each host's group is its own; the lighthouse's quorum says
+    who trains each step): --dry-run's facts and the topology line a start prints say so (the restart path's stay
+    as they were). The start is stopped at once by an HTTP server at MASTER_PORT, after its first two lines."""
+    import json
+
+    facts = json.loads(dry_run({"MASTER_PORT": "29513"}, "--model", "cnn").stdout)
+    assert (facts["node_rank"], facts["rendezvous"]) == ("none (in place: each host is a group of its own)",
+                                                         "none (in place: torchft's lighthouse decides who trains "
+                                                         "each step)"), facts
+    facts = json.loads(dry_run({"MASTER_PORT": "29513", "RECOVERY": "restart"}, "--model", "cnn").stdout)
+    assert (facts["node_rank"], facts["rendezvous"]) == ("assigned by the rendezvous", "c10d"), facts
+    from helpers import clean_env
+
+    port = free_port()
+    other = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: subprocess.run(["curl", "-s", "-o", "/dev/null", f"http://127.0.0.1:{port}/"]
+                                          ).returncode == 0, 30, "the HTTP server")
+        env = clean_env({"NNODES": "1:2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port), "PREFLIGHT": "0"})
+        done = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--model", "cnn"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == 2 and done.stderr.splitlines()[0] == (
+        f"topology: nnodes=1:2 (elastic, in place: torchft's lighthouse at 127.0.0.1:{port} decides who trains each "
+        "step; no c10d rendezvous, each host a group of its own) nproc_per_node=1 world_size=1..2 (source: explicit)"
+    ), done.stderr
+
+
+def test_recovery_in_place_asked_of_a_job_of_a_fixed_size_is_one_line_not_an_error():
+    """RECOVERY has no effect on a job of a fixed NNODES: said in one line, and the job runs as asked."""
+    line = ("warning: RECOVERY: in-place has no effect with a fixed number of hosts ({}): a job of a fixed size "
+            "restarts its workers after a failure (MAX_RESTARTS); in place needs NNODES=MIN:MAX (e.g. 1:2), where the "
+            "hosts left go on without a lost one")
+    done = dry_run({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "RECOVERY": "in-place"},
+                   "--model", "cnn")
+    assert done.returncode == 0 and done.stderr.splitlines() == [line.format("NNODES=2")], done.stderr
+    done = dry_run({"NNODES": "", "MASTER_ADDR": "", "RECOVERY": "in-place"}, "--model", "cnn")
+    assert done.returncode == 0 and done.stderr.splitlines() == [line.format("NNODES unset: one host")], done.stderr
+    for quiet in ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"},  # RECOVERY unset: nothing asked
+                  {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "RECOVERY": "restart"},
+                  {"RECOVERY": "in-place"}):  # NNODES=1:2: in place
+        done = dry_run(quiet, "--model", "cnn")
+        assert done.returncode == 0 and not done.stderr.strip(), (quiet, done.stderr)
+
+
+def test_no_quorum_is_said_in_plain_words_not_grpcs_status_text():
+    """torchft's real error when a quorum never comes (a lighthouse that needs two hosts, asked by one), as the
+    worker's Manager gets it from its Rust client: gRPC's status text becomes its message."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
+
+    from trainer.engine.inplace import said
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    manager = ManagerServer(replica_id="a", lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
+                            bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
+                            heartbeat_interval=timedelta(milliseconds=100), connect_timeout=timedelta(seconds=5),
+                            quorum_retries=0)
+    try:
+        with pytest.raises(Exception) as caught:
+            ManagerClient(manager.address(), connect_timeout=timedelta(seconds=5))._quorum(
+                group_rank=0, step=0, checkpoint_metadata="", shrink_only=False, timeout=timedelta(seconds=1),
+                commit_failures=0, init_sync=True)
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
+    assert str(caught.value).startswith("status: Cancelled, message: \"Timeout expired\", details: [], metadata: "
+                                        "MetadataMap {"), str(caught.value)  # what the line said before
+    assert said(caught.value) == "Timeout expired"
+    unavailable = RuntimeError('status: Unavailable, message: "error trying to connect: tcp connect error: Connection '
+                               'refused (os error 111)", details: [], metadata: MetadataMap { headers: {"content-type"'
+                               ': "application/grpc"} }')
+    assert said(unavailable) == "error trying to connect: tcp connect error: Connection refused (os error 111)"
+    assert said(RuntimeError('status: DeadlineExceeded, message: "", details: [], metadata: MetadataMap { headers: {} '
+                             '}')) == "deadline exceeded"
+
+
+def test_only_the_two_known_cxx_warnings_are_dropped():
+    """fd 2 caught around a worker's start (C++ writes there directly): the two known lines go, any other stays."""
+    code = ("import os\nfrom trainer.parallel.known_warnings import fd2_without\nwith fd2_without():\n"
+            "    os.write(2, b'[W1128 14:46:50.084983427 socket.cpp:207] [c10d] The hostname of the client socket "
+            "cannot be retrieved. err=-3\\n')\n"
+            "    os.write(2, b'[W1128 14:59:39.023591077 Backend.hpp:556] Warning: another C++ warning\\n')\n"
+            "    os.write(2, b'[rank0]:[W1128 14:52:31.839622740 Backend.hpp:556] Warning: setSequenceNumberForGroup() "
+            "is deprecated and is now a no-op; sequence numbers always start at 0 on every rank. (function "
+            "operator())\\n')\n")
+    from helpers import clean_env
+
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr.splitlines() == [
+        "[W1128 14:59:39.023591077 Backend.hpp:556] Warning: another C++ warning"], done.stderr
+
+
 @pytest.mark.slow
 def test_a_lighthouse_that_cannot_be_reached_is_one_line_naming_it_and_exit_2_before_training(hosts, tmp_path,
                                                                                                launches):
@@ -685,7 +818,6 @@ def test_something_else_at_the_lighthouses_port_is_one_line_and_exit_2_at_once(h
 def test_a_lighthouse_whose_port_is_taken_is_one_line_and_exit_2():
     """Run on its own (compose's service, by hand) on a port something else holds: one line, not torchft's
     RuntimeError traceback. (The launcher's own lighthouse exits quietly there: the launcher's line says what.)"""
-    import socket
 
     from helpers import clean_env
 

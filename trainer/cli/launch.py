@@ -22,7 +22,7 @@ import sys
 from typing import Mapping, Sequence
 
 from trainer.cluster import lighthouse
-from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env
+from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env, recovery_unused
 from trainer.cluster.topology import Topology
 from trainer.config import launcher
 from trainer.config.launcher import help_table
@@ -75,14 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with exit_on_usage_error():
         env = launcher.with_dotenv(os.environ, *launcher.dotenv_file(args))
         launch = build_command(env, args, pick_port=not dry_run)
-        for line in launcher.grace_warnings(env, launch.settings.stop_grace):
-            print(line, file=sys.stderr, flush=True)
+        for line in [*launcher.grace_warnings(env, launch.settings.stop_grace), recovery_unused(env, launch.job)]:
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
         if dry_run:
             per_host = {} if launch.per_host is None else {"mode": "per-host", "once_per_host": launch.per_host}
             if launch.recovery is not None:
                 per_host["recovery"] = "in-place" if launch.in_place else "restart"
                 per_host["recovery_line"] = launch.recovery.line()
-            print(json.dumps({**launch.job.facts(), **per_host, "command": launch.command}, indent=2))
+            print(json.dumps({**launch.job.facts(launch.in_place), **per_host, "command": launch.command}, indent=2))
             return 0
         if launch.rendezvous is not None and not launch.topology.elastic:  # c10d: any host may host it
             ensure_master_port_free(launch.topology)
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
             # trips an AssertionError): every round publishes its own without the sharing.
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    print(launch.job.summary(), file=sys.stderr, flush=True)
+    print(launch.job.summary(launch.in_place), file=sys.stderr, flush=True)
     if launch.recovery is not None:
         print(launch.recovery.line(), file=sys.stderr, flush=True)
     if launch.settings.preflight:
