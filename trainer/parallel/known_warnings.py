@@ -58,7 +58,7 @@ def said_quietly(address: str) -> None:
 
     with fd2_without():
         with contextlib.suppress(Exception):  # its own client's connection names the address
-            dist.TCPStore(address, 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+            dist.TCPStore(address, 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
         with contextlib.suppress(Exception):
             from torch._C._distributed_c10d import FakeProcessGroup
 
