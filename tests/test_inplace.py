@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -368,7 +369,40 @@ def test_a_second_host_lost_while_the_others_regroup_for_the_first(hosts, tmp_pa
     assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
     output = first.output()
     assert [w for _, w in generations(output)][-1] == 1, generations(output)
+    # Each line names its quorum's generation, a group that did not form too (it said the one before it again).
+    numbers = [g for g, _ in generations(output)]
+    assert numbers == sorted(set(numbers)), generations(output)
     check_the_order(tmp_path, survivor, samples // 3 // SHARE_BATCH, largest=3, samples=samples, losses=2)
+
+
+@pytest.mark.slow
+def test_a_host_whose_worker_is_killed_is_named_by_its_rank_in_the_job_and_rejoins(hosts, tmp_path, launches):
+    """Each host's agent runs a group of its own, whose rank 0 may be the job's rank 1: the restart line names the
+    rank in the job (and the host's replica), not the host's own. The workers' start says none of the two C++
+    warnings known harmless here (no DNS server answers in the namespaces: c10d's look-up of a name fails)."""
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0])
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1])
+    launches.append(second)
+    wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    replica = int(re.findall(r"this host is replica (\d+) ", second.output())[-1])
+    generation = generations(second.output())[-1][0]
+    os.kill(worker_pid(second), signal.SIGKILL)
+    restart = wait_until(lambda: re.search(r"^restart 1 of 10: .*$", second.output(), re.M), 60,
+                         f"the restart line\n{second.output()[-3000:]}")
+    assert restart.group(0) == (
+        f"restart 1 of 10: rank {replica} (host {socket.gethostname()}, replica {replica} of generation {generation}; "
+        "this host's rank 0) was killed by SIGKILL; this host's ranks start again (from the newest checkpoint, then a "
+        "live peer's state) and rejoin in place; the other hosts go on without them meanwhile"), restart.group(0)
+    wait_until(lambda: [w for _, w in generations(second.output().split(restart.group(0))[1])][-1:] == [2],
+               RUN_BOUND_S, f"the host back in\n{second.output()[-3000:]}")
+    for launch in (first, second):
+        output = launch.output()
+        assert "hostname of the client socket cannot be retrieved" not in output, output[-3000:]
+        assert "setSequenceNumberForGroup() is deprecated" not in output, output[-3000:]
 
 
 @pytest.mark.slow
@@ -875,6 +909,105 @@ def test_an_unknown_recovery_is_one_line_and_exit_2():
         "or comes (seconds per change); restart starts every host's workers again from the newest checkpoint)"]
 
 
+def test_an_in_place_job_says_it_runs_no_c10d_rendezvous(tmp_path):
+    """In place no c10d rendezvous runs across the hosts (each host's group is its own; the lighthouse's quorum says
+    who trains each step): --dry-run's facts and the topology line a start prints say so (the restart path's stay
+    as they were). The start is stopped at once by an HTTP server at MASTER_PORT, after its first two lines."""
+    import json
+
+    facts = json.loads(dry_run({"MASTER_PORT": "29513"}, "--model", "cnn").stdout)
+    assert (facts["node_rank"], facts["rendezvous"]) == ("none (in place: each host is a group of its own)",
+                                                         "none (in place: torchft's lighthouse decides who trains "
+                                                         "each step)"), facts
+    facts = json.loads(dry_run({"MASTER_PORT": "29513", "RECOVERY": "restart"}, "--model", "cnn").stdout)
+    assert (facts["node_rank"], facts["rendezvous"]) == ("assigned by the rendezvous", "c10d"), facts
+    from helpers import clean_env
+
+    port = free_port()
+    other = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: subprocess.run(["curl", "-s", "-o", "/dev/null", f"http://127.0.0.1:{port}/"]
+                                          ).returncode == 0, 30, "the HTTP server")
+        env = clean_env({"NNODES": "1:2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port), "PREFLIGHT": "0"})
+        done = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--model", "cnn"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == 2 and done.stderr.splitlines()[0] == (
+        f"topology: nnodes=1:2 (elastic, in place: torchft's lighthouse at 127.0.0.1:{port} decides who trains each "
+        "step; no c10d rendezvous, each host a group of its own) nproc_per_node=1 world_size=1..2 (source: explicit)"
+    ), done.stderr
+
+
+def test_recovery_in_place_asked_of_a_job_of_a_fixed_size_is_one_line_not_an_error():
+    """RECOVERY has no effect on a job of a fixed NNODES: said in one line, and the job runs as asked."""
+    line = ("warning: RECOVERY: in-place has no effect with a fixed number of hosts ({}): a job of a fixed size "
+            "restarts its workers after a failure (MAX_RESTARTS); in place needs NNODES=MIN:MAX (e.g. 1:2), where the "
+            "hosts left go on without a lost one")
+    done = dry_run({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "RECOVERY": "in-place"},
+                   "--model", "cnn")
+    assert done.returncode == 0 and done.stderr.splitlines() == [line.format("NNODES=2")], done.stderr
+    done = dry_run({"NNODES": "", "MASTER_ADDR": "", "RECOVERY": "in-place"}, "--model", "cnn")
+    assert done.returncode == 0 and done.stderr.splitlines() == [line.format("NNODES unset: one host")], done.stderr
+    for quiet in ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"},  # RECOVERY unset: nothing asked
+                  {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1", "RECOVERY": "restart"},
+                  {"RECOVERY": "in-place"}):  # NNODES=1:2: in place
+        done = dry_run(quiet, "--model", "cnn")
+        assert done.returncode == 0 and not done.stderr.strip(), (quiet, done.stderr)
+
+
+def test_no_quorum_is_said_in_plain_words_not_grpcs_status_text():
+    """torchft's real error when a quorum never comes (a lighthouse that needs two hosts, asked by one), as the
+    worker's Manager gets it from its Rust client: gRPC's status text becomes its message."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
+
+    from trainer.engine.inplace import said
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    manager = ManagerServer(replica_id="a", lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
+                            bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
+                            heartbeat_interval=timedelta(milliseconds=100), connect_timeout=timedelta(seconds=5),
+                            quorum_retries=0)
+    try:
+        with pytest.raises(Exception) as caught:
+            ManagerClient(manager.address(), connect_timeout=timedelta(seconds=5))._quorum(
+                group_rank=0, step=0, checkpoint_metadata="", shrink_only=False, timeout=timedelta(seconds=1),
+                commit_failures=0, init_sync=True)
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
+    assert str(caught.value).startswith("status: Cancelled, message: \"Timeout expired\", details: [], metadata: "
+                                        "MetadataMap {"), str(caught.value)  # what the line said before
+    assert said(caught.value) == "Timeout expired"
+    unavailable = RuntimeError('status: Unavailable, message: "error trying to connect: tcp connect error: Connection '
+                               'refused (os error 111)", details: [], metadata: MetadataMap { headers: {"content-type"'
+                               ': "application/grpc"} }')
+    assert said(unavailable) == "error trying to connect: tcp connect error: Connection refused (os error 111)"
+    assert said(RuntimeError('status: DeadlineExceeded, message: "", details: [], metadata: MetadataMap { headers: {} '
+                             '}')) == "deadline exceeded"
+
+
+def test_only_the_two_known_cxx_warnings_are_dropped():
+    """fd 2 caught around a worker's start (C++ writes there directly): the two known lines go, any other stays."""
+    code = ("import os\nfrom trainer.parallel.known_warnings import fd2_without\nwith fd2_without():\n"
+            "    os.write(2, b'[W1128 14:46:50.084983427 socket.cpp:207] [c10d] The hostname of the client socket "
+            "cannot be retrieved. err=-3\\n')\n"
+            "    os.write(2, b'[W1128 14:59:39.023591077 Backend.hpp:556] Warning: another C++ warning\\n')\n"
+            "    os.write(2, b'[rank0]:[W1128 14:52:31.839622740 Backend.hpp:556] Warning: setSequenceNumberForGroup() "
+            "is deprecated and is now a no-op; sequence numbers always start at 0 on every rank. (function "
+            "operator())\\n')\n")
+    from helpers import clean_env
+
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr.splitlines() == [
+        "[W1128 14:59:39.023591077 Backend.hpp:556] Warning: another C++ warning"], done.stderr
+
+
 @pytest.mark.slow
 def test_a_lighthouse_that_cannot_be_reached_is_one_line_naming_it_and_exit_2_before_training(hosts, tmp_path,
                                                                                                launches):
@@ -891,6 +1024,65 @@ def test_a_lighthouse_that_cannot_be_reached_is_one_line_naming_it_and_exit_2_be
     assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("seen-*"))
 
 
+# Accepts every connection and never says a word (holds them open): a service that waits for its client to speak.
+SILENT_LISTENER = ("import socket, sys\nserver = socket.create_server((sys.argv[1], int(sys.argv[2])))\nheld = []\n"
+                   "while True:\n    held.append(server.accept())\n")
+
+
+@pytest.mark.slow
+def test_something_else_at_the_lighthouses_port_is_one_line_and_exit_2_at_once(hosts, tmp_path, launches):
+    """A plain HTTP server, or a listener that says nothing, at MASTER_ADDR:MASTER_PORT is not torchft's lighthouse:
+    refused at once in one line (it was taken for the lighthouse, and the workers sat silent in their quorum), from
+    another host and from the MASTER_ADDR host; there also a server that holds the port on another address of the
+    host (the launcher's own lighthouse cannot have it, and nothing answers at MASTER_ADDR)."""
+    port = free_port()
+    http_server = [sys.executable, "-m", "http.server", "--bind"]
+    cases = [("http", [*http_server, MASTER_ADDR, str(port)], r"HTTP 200 OK from SimpleHTTP/[\d.]+ Python/[\d.]+",
+              hosts),
+             ("silent", [sys.executable, "-c", SILENT_LISTENER, MASTER_ADDR, str(port)],
+              r"it accepted the connection but gave no answer in \d+ s", hosts),
+             ("elsewhere", [*http_server, "127.0.0.1", str(port)],
+              re.escape(f"nothing does (Connection refused), and another process on this host holds port {port}"),
+              hosts[:1])]
+    for what, command, words, wheres in cases:
+        other = subprocess.Popen([*hosts[0].prefix, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda at=command[-2]: lighthouse_answers(hosts[0], port, at), 30, what)
+            for where in reversed(wheres):  # another host; the MASTER_ADDR host
+                launch = host(tmp_path, port, f"{what}-{where.node_rank}", where, RDZV_TIMEOUT="120")
+                launches.append(launch)
+                assert launch.wait(60) == 2, launch.output()
+                assert time.monotonic() - launch.started < 30, what  # not RDZV_TIMEOUT's 120 s
+                errors = [line for line in launch.output().splitlines() if line.startswith("error: ")]
+                assert len(errors) == 1 and re.fullmatch(
+                    re.escape(f"error: MASTER_ADDR: what answers at http://{MASTER_ADDR}:{port} is not torchft's "
+                              "lighthouse (") + words + re.escape(") (another service holds MASTER_PORT on the "
+                                                                  "MASTER_ADDR host; choose another MASTER_PORT, the "
+                                                                  "same on every host, or stop it)"), errors[0]), \
+                    launch.output()
+                assert not [line for line in launch.output().splitlines() if line.startswith("+ ")]  # no worker
+                assert "Traceback" not in launch.output(), launch.output()
+        finally:
+            other.kill()
+            other.wait()
+    assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("seen-*"))
+
+
+def test_a_lighthouse_whose_port_is_taken_is_one_line_and_exit_2():
+    """Run on its own (compose's service, by hand) on a port something else holds: one line, not torchft's
+    RuntimeError traceback. (The launcher's own lighthouse exits quietly there: the launcher's line says what.)"""
+
+    from helpers import clean_env
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port)],
+                              env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"error: --port: {port} is taken on this host (Address already in use) (stop what holds it, or choose another "
+        "port, the job's MASTER_PORT on every host)"], done.stderr
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen:
@@ -904,6 +1096,6 @@ def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen
     return proc
 
 
-def lighthouse_answers(where: Host, port: int) -> bool:
-    probe = f"import socket; socket.create_connection(('{MASTER_ADDR}', {port}), timeout=1)"
+def lighthouse_answers(where: Host, port: int, address: str = MASTER_ADDR) -> bool:
+    probe = f"import socket; socket.create_connection(('{address}', {port}), timeout=1)"
     return subprocess.run([*where.prefix, sys.executable, "-c", probe], capture_output=True).returncode == 0

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 from trainer.checkpoint.claim import Ended, check_ended, claim
 from trainer.cluster import lighthouse
-from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env
+from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env, recovery_unused
 from trainer.cluster.topology import Topology
 from trainer.config import launcher
 from trainer.config.launcher import help_table
@@ -77,14 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with exit_on_usage_error():
         env = launcher.with_dotenv(os.environ, *launcher.dotenv_file(args))
         launch = build_command(env, args, pick_port=not dry_run)
-        for line in launcher.grace_warnings(env, launch.settings.stop_grace):
-            print(line, file=sys.stderr, flush=True)
+        for line in [*launcher.grace_warnings(env, launch.settings.stop_grace), recovery_unused(env, launch.job)]:
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
         if dry_run:
             per_host = {} if launch.per_host is None else {"mode": "per-host", "once_per_host": launch.per_host}
             if launch.recovery is not None:
                 per_host["recovery"] = "in-place" if launch.in_place else "restart"
                 per_host["recovery_line"] = launch.recovery.line()
-            print(json.dumps({**launch.job.facts(), **per_host, "command": launch.command}, indent=2))
+            print(json.dumps({**launch.job.facts(launch.in_place), **per_host, "command": launch.command}, indent=2))
             return 0
         if launch.rendezvous is not None and not launch.topology.elastic:  # c10d: any host may host it
             ensure_master_port_free(launch.topology)
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # so a host joining a running job waits forever for it (and a node that becomes rank 0 later
             # trips an AssertionError): every round publishes its own without the sharing.
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    print(launch.job.summary(), file=sys.stderr, flush=True)
+    print(launch.job.summary(launch.in_place), file=sys.stderr, flush=True)
     if launch.recovery is not None:
         print(launch.recovery.line(), file=sys.stderr, flush=True)
     if launch.settings.preflight:
@@ -123,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen | None:
     """The lighthouse (beside this launcher, on the MASTER_ADDR host, unless one answers there already), then the
-    wait for it; the workers' environment (the agent passes this process's on). A lighthouse that never answers is
-    one line and exit 2 (UsageError)."""
+    wait for it; the workers' environment (the agent passes this process's on). A lighthouse that never answers, or
+    something else that answers in its place, is one line and exit 2 (UsageError)."""
     job, recovery = launch.job, launch.recovery
     host, port = job.master_addr, job.master_port
     bound = launch.settings.rdzv_timeout
@@ -138,11 +139,17 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
         ended = lambda: check_ended(directory, identity, settings)  # noqa: E731 (a poll, not a definition)
         ended()
         hold_for_the_job(directory, identity)
-    if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
-        timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
-            script_settings({}, env, job.world_size).collective_timeout
-        started = lighthouse.start(port, job.min_nodes, timeout)
-    why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started, ended)
+    addr_var, port_var = job.variables("master_addr")[0], job.variables("master_port")[0]
+    try:
+        if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
+            timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
+                script_settings({}, env, job.world_size).collective_timeout
+            started = lighthouse.start(port, job.min_nodes, timeout)
+        why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started, ended)
+    except lighthouse.NotTheLighthouse as seen:
+        raise UsageError(addr_var, f"what answers at {lighthouse.url(host, port)} is not torchft's lighthouse ({seen})",
+                         f"another service holds {port_var} on the MASTER_ADDR host; choose another {port_var}, the "
+                         "same on every host, or stop it") from None
     if why is not None:
         given = job.variables("master_addr", "master_port") or ["MASTER_ADDR", "MASTER_PORT"]
         raise UsageError(given[0], f"the lighthouse at {lighthouse.url(host, port)} cannot be reached ({why}; waited "

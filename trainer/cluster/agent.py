@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from trainer.cluster import presence, workers
 from trainer.cluster.watchdog import Watchdog
@@ -59,22 +59,23 @@ def how(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
-def describe_child_failure(failures: dict, gone: str | None = None, ended: frozenset[int] = frozenset()
-                           ) -> tuple[str, int]:
+def describe_child_failure(failures: dict, gone: str | None = None, ended: frozenset[int] = frozenset(),
+                           named: Callable[[int], str | None] = lambda rank: None) -> tuple[str, int]:
     """(message, exit code) for the agent's failures {global rank: ProcessFailure}; `gone`: the hosts that went
-    away meanwhile (presence.py); `ended`: the ranks whose program had returned (record: exit 0) before they died."""
+    away meanwhile (presence.py); `ended`: the ranks whose program had returned (record: exit 0) before they died;
+    `named`: a rank's name where it is not the agent's (in place, Job.named)."""
     if not failures:  # UNHEALTHY: a worker stuck in the kernel (torch's D-state check), no exit code
         return "training failed: a worker hung in the kernel (uninterruptible sleep) and was stopped", 1
     rank, failure = cause(failures)
-    code = failure.exitcode
+    code, who = failure.exitcode, named(rank) or f"rank {rank}"
     if code == -signal.SIGABRT and rank in ended:
-        return (f"training failed: rank {rank} aborted at exit, after its last step (its program had returned; a "
+        return (f"training failed: {who} aborted at exit, after its last step (its program had returned; a "
                 "process group still held by a model at the interpreter's exit aborts it: docs/scripts.md#the-end-"
                 "of-a-script says how to end cleanly)", 1)
     others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     where = "its own error is printed above" if code > 0 else "the signal came from outside the trainer"
-    what = f"{gone}; rank {rank} {how(code)}{others} when it lost its peers" if gone else \
-        f"rank {rank} {how(code)}{others}; {where}"
+    what = f"{gone}; {who} {how(code)}{others} when it lost its peers" if gone else \
+        f"{who} {how(code)}{others}; {where}"
     return f"training failed: {what}", (code if code > 0 else 1)
 
 
@@ -141,6 +142,7 @@ class Job:
 
     def __init__(self, launch, folder: Path):
         self.topology, self.settings, self.folder = launch.topology, launch.settings, folder
+        self.in_place = launch.in_place
         self.failures = self.starts = 0
         self.done_at: float | None = None  # when this host's workers succeeded (the exit barrier began)
         topology = self.topology  # the rendezvous store of a job of several hosts (static, or the c10d one)
@@ -155,13 +157,25 @@ class Job:
             os.environ[workers.STORE_PREFIX_ENV] = f"{workers.STORE_PREFIX}{attempt}"
         self.starts += 1
 
+    def named(self, rank: int) -> str | None:
+        """In place, how a line names the agent's rank `rank`: the host's group is its own, so that is the host's
+        rank; the job's is the worker's as of its latest quorum (its record). None off the in-place path."""
+        if not self.in_place:
+            return None
+        worker = next((w for w in workers.read_workers(self.folder) if w.rank == rank), None)
+        if worker is None or worker.job_rank is None:
+            return f"this host's rank {rank} (host {HOST}, before its first quorum)"
+        return (f"rank {worker.job_rank} (host {HOST}, replica {worker.replica} of generation {worker.generation}; "
+                f"this host's rank {rank})")
+
     def failed(self, result) -> None:
         """A failed group: the agent restarts it while restarts remain; say so, in one line, from its RunResult."""
         self.failures += 1
         if self.failures > self.settings.max_restarts or not result.failures:
             return
         rank, failure = cause(result.failures)
-        code, nodes, rank = failure.exitcode, self.topology.node_range, f"{rank} (host {HOST})"
+        code, nodes = failure.exitcode, self.topology.node_range
+        who = self.named(rank) or f"rank {rank} (host {HOST})"
         head = f"restart {self.failures} of {self.settings.max_restarts}"
         if code == workers.HOST_LEFT_EXIT_CODE and self.topology.elastic:
             return say(f"{head}: another host left the job (it was stopped, and every rank committed a checkpoint); "
@@ -170,11 +184,16 @@ class Job:
         if code == USAGE_EXIT_CODE:
             # A mistake in the settings (the one-line error above) fails the same way every time: a restart would
             # only print it again. The agent stops its workers and the rendezvous closes, so other hosts end too.
-            raise WorkerUsageError(f"rank {rank} {how(code)}")
-        then = (f"the hosts still here meet again (NNODES={nodes}) and every rank starts again from the newest "
-                "checkpoint, at the new world size") if self.topology.elastic else (
-                "every rank of this host starts again from the newest checkpoint")
-        say(f"{head}: rank {rank} {how(code)}; {then}")
+            raise WorkerUsageError(f"{who} {how(code)}")
+        if self.topology.elastic:
+            then = (f"the hosts still here meet again (NNODES={nodes}) and every rank starts again from the newest "
+                    "checkpoint, at the new world size")
+        elif self.in_place:
+            then = ("this host's ranks start again (from the newest checkpoint, then a live peer's state) and rejoin "
+                    "in place; the other hosts go on without them meanwhile")
+        else:
+            then = "every rank of this host starts again from the newest checkpoint"
+        say(f"{head}: {who} {how(code)}; {then}")
 
     def succeeded(self, group) -> None:
         """This host's workers are done: the agent waits in its exit barrier for the other hosts' (at most
@@ -333,7 +352,8 @@ def run(launch, program: list[str]) -> int:
                 print_error(dog.fired)
                 return 1
             ended = frozenset(w.rank for w in workers.read_workers(folder) if w.exit == 0)
-            message, code = describe_child_failure(result.failures, end_presence(beat, job, "failed", True), ended)
+            message, code = describe_child_failure(result.failures, end_presence(beat, job, "failed", True), ended,
+                                                   job.named)
             print_error(message)
             return code
         if job.barrier_ran_out():

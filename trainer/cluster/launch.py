@@ -401,6 +401,19 @@ def choose_recovery(settings: LauncherSettings, topology: Topology, program: Pro
                     replica=f"{local_addr}-{socket.gethostname()}")
 
 
+def recovery_unused(env: Mapping[str, str], job: Topology) -> str | None:
+    """The line for RECOVERY=in-place asked of a job of a fixed size, where it has no effect (not an error: the job
+    runs as asked otherwise); None when there is nothing to say."""
+    if job.elastic or env.get("RECOVERY", "").strip().lower() != "in-place":
+        return None
+    nnodes = job.variables("nnodes")[0]
+    given = f"{nnodes}={job.nnodes}" if job.sources.get("nnodes", "default") != "default" else \
+        f"{nnodes} unset: one host"
+    return (f"warning: {launcher.located(env, 'RECOVERY')}: in-place has no effect with a fixed number of hosts "
+            f"({given}): a job of a fixed size restarts its workers after a failure (MAX_RESTARTS); in place needs "
+            f"NNODES=MIN:MAX (e.g. 1:{max(2, job.nnodes)}), where the hosts left go on without a lost one")
+
+
 def local_group(job: Topology, local_addr: str) -> Topology:
     """In place: the one-host group this host's agent runs (a static rendezvous on a free port of this host's
     address toward MASTER_ADDR, where the other hosts reach it for a state transfer); the hosts' groups meet

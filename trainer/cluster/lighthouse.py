@@ -3,7 +3,8 @@
 The lighthouse says, at every step, which hosts train it (torchft's quorum). It listens at MASTER_ADDR:MASTER_PORT,
 the port the c10d rendezvous would take on the restart path: the launcher on the MASTER_ADDR host runs it beside
 itself unless one answers there already (compose.multinode.yaml's `lighthouse` service, or another launcher of the
-job on that host). Every launcher waits for it, up to RDZV_TIMEOUT, before its workers start.
+job on that host). Every launcher waits for it, up to RDZV_TIMEOUT, before its workers start, and refuses anything
+else that answers there (answers()).
 
     python -m trainer.cluster.lighthouse --port 29500 [--min-hosts 1] [--join-timeout 300]
 
@@ -13,6 +14,7 @@ runs one on its own (what the compose service does), with the settings the launc
 from __future__ import annotations
 
 import ctypes
+import http.client
 import importlib.util
 import os
 import shutil
@@ -58,13 +60,49 @@ def program() -> str | None:
     return beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
 
 
-def answers(host: str, port: int, timeout: float = 1.0) -> str | None:
-    """None when something accepts connections at host:port; else why not (the socket's words)."""
+# What answers at the lighthouse's address is asked for torchft's dashboard page: the lighthouse serves it on its gRPC
+# port (tonic with accept_http1 and axum routes beside its LighthouseService), and its <title> has read
+# "Lighthouse Dashboard - torchft" since the dashboard came (torchft's templates/index.html, Nov 2024); verified
+# against torchft 0.2.0. A plain HTTP GET: no torch, no gRPC client (HTTP/2 and HPACK) in the torch-free launcher,
+# and no state in the lighthouse (a gRPC Heartbeat would register a replica). Anything else there (another service
+# holding MASTER_PORT) was taken for the lighthouse by a TCP connect: the workers then sat silent in their quorum.
+DASHBOARD_TITLE = b"Lighthouse Dashboard - torchft"
+TAKEN_EXIT = 3  # the launcher's lighthouse found its port taken on this host (another launcher's lighthouse, or not)
+ANSWER_S = 5.0  # a silent listener is refused after this long: the lighthouse answers in milliseconds, loaded or not
+
+
+class NotTheLighthouse(Exception):
+    """Something other than torchft's lighthouse answers at its address; the message says what was seen."""
+
+
+def answers(host: str, port: int, timeout: float = 1.0, answer_s: float = ANSWER_S) -> str | None:
+    """None when torchft's lighthouse answers at host:port; else why nothing does (the socket's words). Raises
+    NotTheLighthouse when something else answers there."""
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
+        sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as err:
         return err.strerror or type(err).__name__
+    sock.settimeout(answer_s)
+    connection = http.client.HTTPConnection(host, port, timeout=answer_s)
+    connection.sock = sock  # connected above: a refused connection is no answer yet, anything after it is one
+    try:
+        connection.request("GET", "/", headers={"Connection": "close"})
+        response = connection.getresponse()
+        page = response.read(1 << 16)
+    except TimeoutError:
+        raise NotTheLighthouse(f"it accepted the connection but gave no answer in {answer_s:g} s") from None
+    except http.client.RemoteDisconnected:
+        raise NotTheLighthouse("it closed the connection without an answer") from None
+    except http.client.HTTPException as err:  # a status line that is not HTTP's, or no line at all
+        raise NotTheLighthouse(f"an answer that is not HTTP: {' '.join(str(err).split())[:40]}") from None
+    except OSError as err:
+        raise NotTheLighthouse(f"it broke off the connection: {err.strerror or type(err).__name__}") from None
+    finally:
+        connection.close()
+    if response.status == 200 and DASHBOARD_TITLE in page:
+        return None
+    server = " ".join((response.getheader("Server") or "").split())[:60]
+    raise NotTheLighthouse(f"HTTP {response.status} {response.reason} from {server or 'an HTTP server'}")
 
 
 def here(host: str) -> bool:
@@ -98,15 +136,16 @@ def start(port: int, min_hosts: int, join_timeout_s: float) -> subprocess.Popen:
     """The lighthouse, beside this launcher: in a session of its own (a terminal's Ctrl-C is the launcher's to pass
     on: the workers stop at an agreed step, which needs the lighthouse), ended when the launcher's process ends."""
     return subprocess.Popen([sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port), "--min-hosts",
-                             str(min_hosts), "--join-timeout", f"{join_timeout_s:g}"],
+                             str(min_hosts), "--join-timeout", f"{join_timeout_s:g}", "--exit-if-taken"],
                             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
 
 
-def serve(port: int, min_hosts: int, join_timeout_s: float) -> int:
+def serve(port: int, min_hosts: int, join_timeout_s: float, exit_if_taken: bool = False) -> int:
     """Run the lighthouse in this process until it is stopped. torchft's Rust server (its LighthouseServer) is loaded
     from its file without the torchft package, whose import loads torch: 3 s and 300 MB on this project's test
     machine against 0.03 s and a few MB. Where that file is not found or does not load (another torchft), its
-    torchft_lighthouse command takes this process's place: slower to start, the same server."""
+    torchft_lighthouse command takes this process's place: slower to start, the same server. A port taken on this
+    host is one line and exit 2; exit_if_taken (the launcher's): TAKEN_EXIT and no line (its wait says what)."""
     os.environ.setdefault("RUST_LOG", "warn")  # its INFO is a line per quorum request
     settings = {"bind": f"[::]:{port}", "min_replicas": min_hosts, "quorum_tick_ms": QUORUM_TICK_MS,
                 "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
@@ -125,6 +164,13 @@ def serve(port: int, min_hosts: int, join_timeout_s: float) -> int:
             server = module.LighthouseServer(**settings)
     except (ImportError, OSError, AttributeError, TypeError):
         server = None
+    except RuntimeError as err:  # torchft's bind error, in Rust's words: "Address already in use (os error 98)"
+        if "os error 98" not in str(err):
+            raise
+        if not exit_if_taken:
+            print(f"error: --port: {port} is taken on this host ({str(err).split(' (')[0]}) (stop what holds it, or "
+                  "choose another port, the job's MASTER_PORT on every host)", file=sys.stderr, flush=True)
+        return TAKEN_EXIT if exit_if_taken else 2
     if server is None:
         command = [program() or "torchft_lighthouse", *(f"--{key}={value}" for key, value in settings.items())]
         os.execvp(command[0], command)
@@ -134,18 +180,23 @@ def serve(port: int, min_hosts: int, join_timeout_s: float) -> int:
 
 def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], started: subprocess.Popen | None = None,
          poll: Callable[[], None] | None = None) -> str | None:
-    """Wait until the lighthouse answers (said once after a few seconds); None, or why it never did. poll: called
-    while nothing answers (what it raises ends the wait: the job has ended, say)."""
+    """Wait until the lighthouse answers (said once after a few seconds); None, or why nothing ever did. Something
+    else answering there is NotTheLighthouse, at once: it will not turn into the lighthouse; so is a port held on
+    this host (the lighthouse started here found it taken) by something that does not answer at host:port. poll:
+    called while nothing answers (what it raises ends the wait: the job has ended, say)."""
     deadline, said = time.monotonic() + bound_s, False
-    began = time.monotonic()
+    began, taken_at = time.monotonic(), None
     while True:
         why = answers(host, port)
         if why is None:
             return None
-        if started is not None and started.poll() is not None and started.returncode not in (0, None):
+        if started is not None and started.poll() is not None:
             # Another launcher on this machine took the port first (several hosts on one machine): its lighthouse
-            # answers soon. Anything else shows as no answer at the deadline.
+            # answers at once. Anything else that holds it here answers not at all (bound to another address).
+            taken_at = time.monotonic() if started.returncode == TAKEN_EXIT else None
             started = None
+        if taken_at is not None and time.monotonic() - taken_at > ANSWER_S:
+            raise NotTheLighthouse(f"nothing does ({why}), and another process on this host holds port {port}")
         if poll is not None:
             poll()
         if time.monotonic() >= deadline:
@@ -167,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nnodes", default="1", help="the job's NNODES, MIN:MAX (its MIN is the fewest hosts)")
     parser.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds a host alive but not at a step's start is waited for (--collective-timeout)")
+    parser.add_argument("--exit-if-taken", action="store_true", help=argparse.SUPPRESS)  # the launcher's
     args = parser.parse_args(argv)
     fewest = args.min_hosts
     if fewest is None:
@@ -174,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if not first.isdigit() or int(first) < 1:
             parser.error(f"--nnodes: '{args.nnodes}' is not MIN:MAX (e.g. 1:2)")
         fewest = int(first)
-    return serve(args.port, fewest, args.join_timeout)
+    return serve(args.port, fewest, args.join_timeout, args.exit_if_taken)
 
 
 if __name__ == "__main__":

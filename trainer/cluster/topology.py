@@ -94,13 +94,18 @@ class Topology:
             names.append(given if given.isupper() else EXPLICIT_NAMES[name])
         return list(dict.fromkeys(names))
 
-    def facts(self) -> dict:
-        """What --dry-run prints (without the command)."""
+    def facts(self, in_place: bool = False) -> dict:
+        """What --dry-run prints (without the command). in_place: an elastic job recovering in place, where no
+        rendezvous runs across the hosts (each host's group is its own; the lighthouse's quorum decides who trains
+        each step)."""
         if self.elastic:
             sizes = [n * self.nproc_per_node for n in range(self.min_nodes, self.nnodes + 1)]
             layout = {"nnodes": self.node_range, "min_nodes": self.min_nodes, "max_nodes": self.nnodes,
                       "node_rank": "assigned by the rendezvous", "nproc_per_node": self.nproc_per_node,
                       "world_size": self.world_size, "world_sizes": sizes, "rendezvous": "c10d"}
+            if in_place:
+                layout.update(node_rank="none (in place: each host is a group of its own)",
+                              rendezvous="none (in place: torchft's lighthouse decides who trains each step)")
         else:
             layout = {"nnodes": self.nnodes, "node_rank": self.node_rank, "nproc_per_node": self.nproc_per_node,
                       "world_size": self.world_size}
@@ -108,13 +113,15 @@ class Topology:
                 **({"rank": self.rank, "local_rank": self.local_rank} if self.mode == DIRECT else {}),
                 "source": self.source, "sources": dict(self.sources)}
 
-    def summary(self) -> str:
-        """The one line a normal start prints."""
+    def summary(self, in_place: bool = False) -> str:
+        """The one line a normal start prints (in_place: as facts())."""
         ranks = f" rank={self.rank} local_rank={self.local_rank}" if self.mode == DIRECT else ""
         if self.elastic:
-            return (f"topology: nnodes={self.node_range} (elastic: c10d rendezvous at {self.master_addr}:"
-                    f"{self.master_port} assigns node ranks) nproc_per_node={self.nproc_per_node} world_size="
-                    f"{self.min_nodes * self.nproc_per_node}..{self.world_size} (source: {self.source})")
+            how = (f", in place: torchft's lighthouse at {self.master_addr}:{self.master_port} decides who trains "
+                   "each step; no c10d rendezvous, each host a group of its own") if in_place else \
+                f": c10d rendezvous at {self.master_addr}:{self.master_port} assigns node ranks"
+            return (f"topology: nnodes={self.node_range} (elastic{how}) nproc_per_node={self.nproc_per_node} "
+                    f"world_size={self.min_nodes * self.nproc_per_node}..{self.world_size} (source: {self.source})")
         return (f"topology: nnodes={self.nnodes} node_rank={self.node_rank} nproc_per_node={self.nproc_per_node} "
                 f"world_size={self.world_size}{ranks} master={self.master_addr}:{self.master_port} "
                 f"(source: {self.source})")

@@ -4,7 +4,8 @@ The agent (trainer.cluster.agent) creates the folder and names it in TRAINER_AGE
 (trainer.parallel.bootstrap, which starts every worker, and trainer.api's Run through it); the agent reads:
 
     rank-<R>.json       the worker's pid and process group; then how it ended (its exit code) and what it
-                        committed at a stop. A worker killed by a signal writes no end: its record has none.
+                        committed at a stop (in place: its rank in the job as of its latest quorum too). A worker
+                        killed by a signal writes no end: its record has none.
     rank-<R>.progress   touched (at most once a second) on each completed step, and on each output line of a
                         script that does not use trainer.api: its modification time is the rank's last progress.
     rank-<R>.stacks     every thread's Python stack, written by faulthandler when the agent asks for it.
@@ -47,6 +48,11 @@ class Worker:
     group: str = ""  # workers.group() of its start
     supervised: bool = False  # it runs trainer.api's Run (its stop checkpoints are noted here)
     training: bool = False  # ... whose training loop has begun (a stop now is a checkpointed one)
+    # In place, the host's group is its own (rank above is the host's): the job's rank, the host's replica and the
+    # generation of its latest quorum (None before its first)
+    job_rank: int | None = None
+    replica: int | None = None
+    generation: int | None = None
 
     @property
     def alive(self) -> bool:
@@ -74,7 +80,8 @@ def read_workers(folder: Path) -> list[Worker]:
                                   facts.get("exit"), facts.get("committed"), bool(facts.get("joined")),
                                   tuple(facts.get("frameworks", ())), tuple(facts.get("single_process", ())),
                                   str(facts.get("group", "")), bool(facts.get("supervised")),
-                                  bool(facts.get("training"))))
+                                  bool(facts.get("training")), facts.get("job_rank"), facts.get("replica"),
+                                  facts.get("generation")))
         except (OSError, ValueError, KeyError):
             continue
     return sorted(workers, key=lambda w: w.rank)

@@ -42,6 +42,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 from collections import OrderedDict
 from datetime import timedelta
@@ -61,11 +62,15 @@ from trainer.config.settings import (INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHO
 from trainer.core.errors import Fenced, UsageError
 from trainer.core.files import atomic_file
 from trainer.data.sampling import shares_of
-from trainer.parallel import collectives
+from trainer.parallel import bootstrap, collectives
 from trainer.parallel.context import DistContext, collective_failure
 
 log = logging.getLogger("trainer")
 MAX_ABANDONED = 100  # steps abandoned in a row before the run ends: one that never commits is not training
+# torchft's Rust client raises tonic's status as its text, e.g. (torchft 0.2.0, a quorum the lighthouse never
+# answered): status: Cancelled, message: "Timeout expired", details: [], metadata: MetadataMap { headers: {} }
+GRPC_STATUS = re.compile(r'status: (?P<code>\w+), message: "(?P<message>(?:[^"\\]|\\.)*)", details: \[[^\]]*\], '
+                         r"metadata: MetadataMap \{ headers: \{[^}]*\} \}(?:, source: .*)?")
 
 
 def wanted(env) -> bool:
@@ -128,7 +133,7 @@ class InPlace:
                 max_retries=MAX_ABANDONED)  # then a RuntimeError: a step that never commits is not training
         except Exception as err:  # noqa: BLE001 (torchft's Rust client says why in its own words)
             raise UsageError("MASTER_ADDR", f"the lighthouse at {self.lighthouse} cannot be reached "
-                             f"({' '.join(str(err).split())[:200]})", "start trainer-launch on the MASTER_ADDR host "
+                             f"({said(err)})", "start trainer-launch on the MASTER_ADDR host "
                              "first (it runs the lighthouse), or check MASTER_ADDR and the port between the hosts"
                              ) from None
 
@@ -182,33 +187,27 @@ class InPlace:
         except Fenced:
             raise
         except Exception as err:  # noqa: BLE001 (the lighthouse gone: torchft raises what its client raised)
-            raise QuorumFailed(f"in place: no quorum from the lighthouse at {self.lighthouse} "
-                               f"({' '.join(str(err).split())[:200]}) (the lighthouse runs beside trainer-launch on "
+            raise QuorumFailed(f"in place: no quorum from the lighthouse at {self.lighthouse} ({said(err)}, after "
+                               f"{time.perf_counter() - began:.0f} s) (the lighthouse runs beside trainer-launch on "
                                "the MASTER_ADDR host: that host went away, or fewer hosts than NNODES's MIN were "
                                "left for --collective-timeout; start them again: the job resumes from the newest "
                                "checkpoint)") from None
         replicas, replica = self.manager.num_participants(), self.manager.participating_rank()
-        quorum = (self.group.generation, replica or 0, replicas)
+        # The quorum's generation, whether or not its group formed: one whose rendezvous failed (a host of it lost
+        # meanwhile) is not the one before it, and its step is abandoned.
+        quorum = (self.group.asked, replica or 0, replicas)
         changed = quorum != self.quorum or self.healed
         self.step_began = time.perf_counter()
         if quorum != self.quorum:
             nproc = self.ctx.topology.local_world_size
             rank, world = (replica or 0) * nproc + self.ctx.topology.local_rank, replicas * nproc
             self.shares = shares_of(rank, world, self.largest)
-            waited = time.perf_counter() - began
+            formed = self.group.generation == quorum[0]
             if self.ctx.is_local_main:
-                # The quorum's time: agreeing on the members (the lighthouse waits for a lost host's heartbeats to
-                # lapse), the new group across the hosts, and the state sent to (or received from) a host behind.
-                group, moved = self.group.configured_s, self.transport.moved_s
-                log.info("in place: generation %d, world size %d of at most %d (%d host(s)); this host is replica %d "
-                         "and trains shares %s; the quorum took %.2f s (agreement %.2f s, new group %.2f s, state "
-                         "%.2f s%s)%s", quorum[0], world, self.largest, replicas, replica or 0,
-                         ",".join(map(str, self.shares)) or "none (a spare: more hosts than NNODES's MAX)", waited,
-                         max(0.0, waited - group - moved), group, moved,
-                         f", {self.transport.moved_bytes / 2**20:.1f} MiB" if moved else "",
-                         "; healed from a peer" if self.healed else "")
-            if replica == 0 and self.ctx.is_local_main:
+                self._say_quorum(quorum, world, time.perf_counter() - began, formed)
+            if replica == 0 and self.ctx.is_local_main and formed:
                 self._open_generation(quorum[0])
+            bootstrap.note(job_rank=rank, replica=quorum[1], generation=quorum[0])  # the launcher's lines name it
             self.quorum = quorum
         # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
         # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
@@ -217,6 +216,21 @@ class InPlace:
             self.set_step(step)
             self.reloaded = True
         return changed
+
+    def _say_quorum(self, quorum: tuple[int, int, int], world: int, waited: float, formed: bool) -> None:
+        """The line of a new membership. The quorum's time: agreeing on the members (the lighthouse waits for a
+        lost host's heartbeats to lapse), the new group across the hosts, and the state sent to (or received from)
+        a host behind."""
+        generation, replica, replicas = quorum
+        group, moved = self.group.configured_s, self.transport.moved_s
+        log.info("in place: generation %d, world size %d of at most %d (%d host(s)); this host is replica %d and "
+                 "trains shares %s; the quorum took %.2f s (agreement %.2f s, new group %.2f s, state %.2f s%s)%s",
+                 generation, world, self.largest, replicas, replica,
+                 ",".join(map(str, self.shares)) or "none (a spare: more hosts than NNODES's MAX)", waited,
+                 max(0.0, waited - group - moved), group, moved,
+                 f", {self.transport.moved_bytes / 2**20:.1f} MiB" if moved else "",
+                 "; healed from a peer" if self.healed else "" if formed else
+                 "; its group across the hosts did not form (a host of it was lost): the step is abandoned")
 
     @property
     def world_size(self) -> int:
@@ -255,7 +269,7 @@ class InPlace:
             committed = self.manager.should_commit()
         except RuntimeError as err:  # torchft's end to abandoned steps (max_retries), or its manager gone
             raise QuorumFailed(f"in place: step {self.manager.current_step() + 1} could not be committed "
-                               f"({' '.join(str(err).split())[:200]}); {MAX_ABANDONED} abandoned in a row end the "
+                               f"({said(err)}); {MAX_ABANDONED} abandoned in a row end the "
                                "run (the hosts kept failing their sums: see their logs)") from None
         if committed:
             offset = 0
@@ -277,7 +291,7 @@ class InPlace:
         if self.ctx.is_local_main:
             what = collective_failure(error.original_exception) if error is not None else None
             log.warning("in place: step %d abandoned after %.2f s (%s); it is taken again with the hosts still here",
-                        self.manager.current_step() + 1, spent, what or (str(error).splitlines()[0][:200] if error
+                        self.manager.current_step() + 1, spent, what or (said(error.original_exception) if error
                                                                          else "a peer did not commit"))
         for p in params:
             p.grad = None
@@ -423,13 +437,14 @@ def _replica_group(timeout: timedelta):
     from torchft import ProcessGroupGloo
 
     class ReplicaGroup(ProcessGroupGloo):
-        generation = 0
+        generation = 0  # the generation of the group formed last
+        asked = 0       # the generation of the quorum's group asked for last (formed, or its rendezvous failed)
         configured_s = 0.0  # the last configure's seconds (the new group's rendezvous across the hosts)
 
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
                       group_rank: int | None = None, group_world_size: int | None = None,
                       global_ranks: list[int] | None = None) -> None:
-            began = time.perf_counter()
+            began, self.asked = time.perf_counter(), quorum_id or 0
             try:
                 super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
                                   global_ranks)
@@ -546,6 +561,19 @@ def _as_bytes(tensor):
     import torch
 
     return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def said(err: BaseException) -> str:
+    """What torchft's error says, in a few plain words for a one-line message: gRPC's status text becomes its message
+    (or its code, in words), torchft's advice on its connect timeout (the line carries its own) goes."""
+    text = " ".join(str(err).split()) or type(err).__name__
+
+    def plain(status: re.Match) -> str:
+        message = status["message"].replace('\\"', '"').strip()
+        return message or re.sub(r"(?<!^)(?=[A-Z])", " ", status["code"]).lower()
+
+    text = GRPC_STATUS.sub(plain, text)
+    return text.split("; verify the address is correct")[0][:200]
 
 
 class QuorumFailed(Exception):

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from trainer.cluster.topology import Topology
-from trainer.config.settings import check_gpu_options
+from trainer.config.settings import LIGHTHOUSE_ENV, check_gpu_options
 from trainer.core.errors import UsageError, first_line
+from trainer.parallel import known_warnings
 from trainer.parallel.supervised import group_store_prefix
 
 T = TypeVar("T")
@@ -112,6 +113,8 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
                       RANK=str(topology.rank), WORLD_SIZE=str(topology.world_size), LOCAL_RANK=str(topology.local_rank))
     timeout = datetime.timedelta(seconds=timeout_s)
     device_id = device if backend == "nccl" else None
+    if os.environ.get(LIGHTHOUSE_ENV, "").strip():  # in place: two C++ warnings known harmless there
+        known_warnings.said_quietly(topology.master_addr)
     prefix = group_store_prefix(lambda: dist.TCPStore(topology.master_addr, topology.master_port, is_master=False,
                                                       timeout=timeout))
     if prefix is not None:
