@@ -16,7 +16,8 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
                 trains the same samples in the same micro-batches whatever the membership.
   commit()      the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
                 over its processes: run.wrap() wraps as on the restart path, so checkpoints of either path fit the
-                other), then torchft's should_commit: the step counts only if every part succeeded.
+                other), then torchft's should_commit: the step counts only if every part succeeded. A model's
+                buffers (BatchNorm's running statistics) follow share 0's chain, as DDP keeps them (BufferChain).
                 Otherwise it is abandoned, its gradients discarded, and taken again at the new membership.
 
 Fencing: a host that comes back after the others went on without it (SIGSTOP, a long pause, a cut network, or
