@@ -8,13 +8,14 @@ processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
                    [--epochs E] [--validate S] [--ballast-mb M] [--start-when FILE] [--hidden H]
-                   [--checkpoint-every N]
+                   [--checkpoint-every N] [--batchnorm]
 
 --validate S: after each epoch, "validating" on stderr, then a validation that takes about S seconds (this host's
 own: under in-place recovery every host validates the whole set). --ballast-mb M: M MiB more in every checkpoint
 (and in the state a returning host gets), so that a checkpoint takes a while to write. --start-when FILE: between
 run.resume() and the first step, "starting at step N" on stderr, then a wait until FILE exists (a start as slow as a
-model's build or compile can be, as long as a test needs it).
+model's build or compile can be, as long as a test needs it). --batchnorm: a BatchNorm1d after the first layer, whose
+running statistics and num_batches_tracked are in the model's state as buffers.
 """
 
 import argparse
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--start-when", help="a slow start: the first step waits until this file exists")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: another one)")
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
     args = parser.parse_args()
     out = args.out
 
@@ -52,7 +54,8 @@ def main() -> None:
     with api.Run(checkpoint_dir=f"{out}/checkpoints", log_dir=f"{out}/runs", checkpoint_every=args.checkpoint_every,
                  log_every=10) as run:
         torch.manual_seed(0)
-        model = run.wrap(torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.ReLU(),
+        norm = [torch.nn.BatchNorm1d(args.hidden)] if args.batchnorm else []
+        model = run.wrap(torch.nn.Sequential(torch.nn.Linear(8, args.hidden), *norm, torch.nn.ReLU(),
                                              torch.nn.Linear(args.hidden, 3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         batch = run.settings.batch_size

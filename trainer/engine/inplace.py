@@ -16,7 +16,8 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
                 trains the same samples in the same micro-batches whatever the membership.
   commit()      the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
                 over its processes: run.wrap() wraps as on the restart path, so checkpoints of either path fit the
-                other), then torchft's should_commit: the step counts only if every part succeeded.
+                other), then torchft's should_commit: the step counts only if every part succeeded. A model's
+                buffers (BatchNorm's running statistics) follow share 0's chain, as DDP keeps them (BufferChain).
                 Otherwise it is abandoned, its gradients discarded, and taken again at the new membership.
 
 Fencing: a host that comes back after the others went on without it (SIGSTOP, a long pause, a cut network, or
@@ -105,6 +106,7 @@ class InPlace:
         self.lost_at: float | None = None
         self.step_began = time.perf_counter()
         self._took_over = False
+        self.chain: BufferChain | None = None  # the model's buffers, on share 0's chain (steps() sets it)
         timeout = timedelta(seconds=collective_timeout_s)
         # torchft's Rust side logs every quorum and commit at INFO, and its Python side a traceback for every error
         # it handles (a lost peer is one): this module's lines say what happened, once.
@@ -265,6 +267,8 @@ class InPlace:
             self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
                                                    "to the furthest of them first"))
         flat.mul_(self.ctx.topology.local_world_size / self.largest)
+        buffers = self.chain.of_share_0(self.manager, self.rank == 0, self.ctx.topology.local_rank) \
+            if self.chain is not None else None
         try:
             committed = self.manager.should_commit()
         except RuntimeError as err:  # torchft's end to abandoned steps (max_retries), or its manager gone
@@ -280,6 +284,8 @@ class InPlace:
                     p.grad.copy_(part)
                 elif part.any():  # unused here, used by a peer
                     p.grad = part.clone()
+            if buffers is not None:
+                self.chain.take(buffers)
             self.trained = True
             self.abandoned = 0
             return True
@@ -295,6 +301,8 @@ class InPlace:
                                                                          else "a peer did not commit"))
         for p in params:
             p.grad = None
+        if self.chain is not None:  # taken again: the buffers as the step found them
+            self.chain.restore()
         return False
 
     def recovered(self, step: int) -> None:
@@ -596,6 +604,7 @@ def steps(run, batches: Iterable) -> Iterator[Iterator]:
                              "goes, and these are not a DataLoader on run.sampler()'s order", "give run.steps() the "
                              "DataLoader made with sampler=run.sampler(dataset, batch_size), or set RECOVERY=restart")
     accum = run.settings.grad_accum
+    replicas.chain = BufferChain.of(run._model)
     per_epoch = sampler.batches_per_epoch if sampler.stop_batch is None else \
         min(sampler.stop_batch, sampler.batches_per_epoch)
     per_epoch //= accum
@@ -612,7 +621,8 @@ def steps(run, batches: Iterable) -> Iterator[Iterator]:
         first = next(source, None)
         if first is None:
             return
-        counted = Counted(first, source, micro, run.no_sync)
+        counted = Counted(first, source, micro, run.no_sync if replicas.chain is None else
+                          replicas.chain.micro_batches(run.no_sync, replicas.shares, accum))
         run._step_committed = None
         yield iter(counted)
         committed, run._step_committed = run._step_committed, None
@@ -628,3 +638,79 @@ def steps(run, batches: Iterable) -> Iterator[Iterator]:
         done = run.position.batch // accum + 1 == per_epoch
         if run._after_step(accum, samples, epoch_done=done, scalars={}):
             return
+
+
+class BufferChain:
+    """The model's buffers (BatchNorm's running statistics and num_batches_tracked) as the job's largest world keeps
+    them. Under DistributedDataParallel (broadcast_buffers, its default) every forward starts from rank 0's buffers,
+    so the job's are rank 0's chain: updated by the forwards of share 0 alone. In place a host may train several
+    shares through one module: the updates of every forward but share 0's are discarded (the buffers put back after
+    the micro-batch), and each committed step gives every host the buffers of the host that trained share 0 (a sum
+    over the hosts, the others adding zeros: x + 0 == x), so that whichever host holds share 0 after a loss goes on
+    with its chain. A step abandoned puts back the buffers it began with (it is taken again)."""
+
+    def __init__(self, buffers: list):
+        self.buffers = buffers
+        self.began: list | None = None  # the buffers as the step in flight found them
+
+    @classmethod
+    def of(cls, model) -> "BufferChain | None":
+        import torch
+
+        buffers = [b for b in model.buffers() if isinstance(b, torch.Tensor)] if model is not None else []
+        return cls(buffers) if buffers else None
+
+    def _copy(self) -> list:
+        return [b.detach().clone() for b in self.buffers]
+
+    def restore(self, saved: list | None = None) -> None:
+        import torch
+
+        with torch.no_grad():
+            for buffer, value in zip(self.buffers, saved if saved is not None else self.began or []):
+                buffer.copy_(value)
+
+    def micro_batches(self, no_sync: Callable, shares: list[int], accum: int) -> Callable:
+        """Counted's context for a step's micro-batches (in order: accum of each share): the strategy's no_sync,
+        and for a micro-batch of any share but 0 its buffer updates put back when it ends (its backward uses the
+        batch's own statistics, not the running ones)."""
+        import contextlib
+
+        index = iter(range(accum * len(shares)))
+
+        @contextlib.contextmanager
+        def context(last: bool):
+            i = next(index)
+            if i == 0:
+                self.began = self._copy()
+            kept = None if shares[i // accum] == 0 else self._copy()
+            with no_sync(last):
+                yield
+            if kept is not None:
+                self.restore(kept)
+
+        return context
+
+    def of_share_0(self, manager, holds: bool, local_rank: int):
+        """The buffers of the process that trained share 0, summed over the hosts (float64: exact for float32 and
+        for counts below 2**53); None for a host's other processes, whose own DistributedDataParallel gives them
+        its first process's buffers at the next forward (their groups over the hosts hold no share 0)."""
+        import torch
+        from torch.distributed import ReduceOp
+
+        if local_rank != 0:
+            return None
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
+        if not holds:
+            flat.zero_()
+        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        return flat
+
+    def take(self, flat) -> None:
+        import torch
+
+        offset = 0
+        with torch.no_grad():
+            for buffer in self.buffers:
+                buffer.copy_(flat[offset:offset + buffer.numel()].view(buffer.shape))
+                offset += buffer.numel()
