@@ -55,7 +55,7 @@ CLAIM_WAIT_S = 5.0  # another job's first host converting its lock (exclusive ->
 
 def _claim_for_job(lock: IO[str], directory: Path, job: str) -> IO[str]:
     """The directory for one in-place job. The first of its processes to find it free (an exclusive lock: nobody
-    holds it) writes the job's identity into the lock file and forgets the previous job's settings; every process
+    holds it) writes the job's identity into the lock file and clears what dead jobs left; every process
     of the job then holds it shared and reads that identity back. Another job's identity, or a holder of another
     kind (an exclusive lock for longer than a conversion takes), is refused. Linux converts a lock by releasing it
     first: a process of another job may take it in between, and then it is that job's (the identity read back
