@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from fault_helpers import Launch
+
+HERE = Path(__file__).parent
+# One Docker engine's images and one Slurm cluster: their tests share session fixtures (an image build, a cluster
+# of three daemons on fixed ports), which a second worker would build or start a second time.
+ONE_MACHINE = (HERE / "containers", HERE / "slurm")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under scripts/test's workers (pytest-xdist, --dist loadgroup): each test file on one worker, so its module
+    fixtures (a reference run, a packed dataset) are made once, and every container and Slurm test on one worker."""
+    for item in items:
+        path = Path(str(item.fspath))
+        group = "containers-and-slurm" if any(d in path.parents for d in ONE_MACHINE) else path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
