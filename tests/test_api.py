@@ -119,6 +119,9 @@ def run_script(path: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess
 
 @pytest.mark.parametrize("kwargs, env, setting", [
     ("checkpoint_every=-1", {}, "checkpoint_every: -1 is below 0"),
+    ("batch_size=-1", {}, "batch_size: -1 is below 1"),
+    ("strategy='fsdp', sync_bn=True", {}, "sync_bn: SyncBatchNorm is for strategy ddp (fsdp shards the norm layers) "
+                                        "(drop sync_bn, or use strategy ddp)"),
     ("", {"TRAIN_KEEP_CHECKPOINTS": "1"}, "TRAIN_KEEP_CHECKPOINTS: 1 is below 2"),
     ("strategy='zero'", {}, "strategy: unknown value 'zero'"),
     ("tracker='tensorbored'", {}, "tracker: unknown tracker 'tensorbored'"),
@@ -129,6 +132,46 @@ def test_every_setting_run_reads_is_checked_as_the_built_in_loop_checks_it(tmp_p
     result = run_script(script(tmp_path, "pass", kwargs), tmp_path, **env)
     assert setting in assert_usage_error(result, setting.split(":")[0])
     assert list(tmp_path.iterdir()) == [tmp_path / "s.py"]  # nothing written
+
+
+OWN_DATA = """
+import json, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from trainer import api
+
+with api.Run(checkpoint_dir="ckpt", log_dir="runs", epochs=1, **json.loads(sys.argv[1])) as run:
+    model = run.wrap(torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    run.resume(model=model, optimizer=optimizer)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16000, 8, generator=g), torch.randint(0, 2, (16000,), generator=g))
+    batch = run.settings.batch_size
+    loader = DataLoader(data, batch_size=batch, sampler=run.sampler(data, batch), drop_last=True)
+    for epoch in run.epochs():
+        for micro_batches in run.steps(loader):
+            for x, y in micro_batches:
+                run.backward(torch.nn.functional.cross_entropy(model(x), y))
+            run.optimizer_step(optimizer)
+"""
+
+
+@pytest.mark.parametrize("kwargs, steps", [
+    ('{"batch_size": 2000, "grad_accum": 4}', 1),  # 8,000 samples a rank: 4 micro-batches of 2,000, one step
+    ('{"train_crop_size": 224}', 125),            # the built-in loop's crop: the script's own to read
+], ids=["a large batch over its own data", "a crop size for its own transforms"])
+def test_a_script_with_its_own_data_is_not_checked_against_the_built_in_loops(tmp_path, kwargs, steps):
+    """A script's Run checks the run's settings, not the built-in loop's data: a batch of 2,000 in 4 micro-batches
+    over the script's 16,000 samples was refused as too large for the built-in synthetic set's 10,000 (naming
+    --batch-size), and train_crop_size=224 as larger than its 32x32 images. At 2 processes, the real launcher."""
+    path = tmp_path / "own_data.py"
+    path.write_text(OWN_DATA)
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", str(path), kwargs], cwd=tmp_path,
+                            env=clean_env(launcher_env(free_port())), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["status"], summary["world_size"], summary["global_step"]) == ("completed", 2, steps)
 
 
 @pytest.mark.parametrize("body, first", [

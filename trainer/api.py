@@ -20,8 +20,11 @@ loop (`python -m trainer`, trainer/engine/loop.py) is written on these very piec
 
 Run(checkpoint_dir=None, log_dir=None, **settings)
     Settings: every TRAIN_* setting by its lower-case name (`trainer --help` lists them): keyword arguments win
-    over the TRAIN_* environment, which wins over .env, which wins over the defaults; they are checked by the
-    built-in loop's code, a mistake is one line and exit code 2. In the containers TRAIN_CHECKPOINT_DIR and
+    over the TRAIN_* environment, which wins over .env, which wins over the defaults. The run's settings
+    (checkpoints, logging, strategy, amp, the recipe's clipping, mixing and average: docs/settings.md's first
+    table) are checked by the built-in loop's code, a mistake is one line naming the keyword and exit code 2; the
+    built-in loop's own (its model, data, crops, augmentation, loss, optimizer: the second table) are carried in
+    .settings for the script to read and checked against nothing: the script's data is its own. In the containers TRAIN_CHECKPOINT_DIR and
     TRAIN_LOG_DIR point at the volumes: leave checkpoint_dir and log_dir out and the script's files land there.
     Joins the process group of whichever launcher started the process (torchrun, srun, or none: one process).
     .settings .ctx .rank .local_rank .world_size .device .is_main .is_local_main .distributed

@@ -1,6 +1,7 @@
 """The checkpointer: one run's checkpoint directory, what it resumes from, and when it commits.
 
-It owns its cadence (every N optimizer steps, at epoch ends, on a stop, at the end) and its checks: a
+It owns its cadence (every N optimizer steps, at epoch ends, on a stop, at the end): the run only tells it what
+happened (step_ended, epoch_ended, ending), and it decides what to write, and when. It owns its checks too: a
 checkpoint counts only once committed, the weights are checked finite on every rank before a commit (rotation
 would otherwise drop the good checkpoints below a diverged one), and every rank waits for the commit before it
 goes on or exits. The built-in loop and scripts on trainer.api commit through it alike.
@@ -16,7 +17,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from trainer.checkpoint import state as ckpt
 from trainer.checkpoint.sharded import async_save_available
@@ -75,8 +76,13 @@ class Labels:
 
 class Checkpointer:
     def __init__(self, ctx: DistContext, directory: str, keep: int, every: int, resume: str, sharded: bool,
-                 door: str, labels: Labels, background: bool = False):
+                 door: str, labels: Labels, background: bool = False,
+                 where: Callable[[], tuple[Position, int, dict[str, Any]]] | None = None,
+                 paused: Callable[[], ContextManager] = contextlib.nullcontext):
+        """where: the run's moment as a checkpoint records it (its position, one micro-batch over all ranks, its
+        settings), for the commits this checkpointer decides on; paused: around a commit, out of samples/s."""
         self.ctx, self.directory, self.keep, self.every = ctx, Path(directory), keep, every
+        self.where, self.paused = where, paused
         self.sharded, self.door, self.labels, self.resume = sharded, door, labels, resume
         self.objects: Registered | None = None
         self.built: dict[str, Any] = {}  # the optimizers' and schedulers' settings as this run built them
@@ -267,9 +273,36 @@ class Checkpointer:
         """The saved position's batch in micro-batches of samples_per_batch (over all ranks)."""
         return ckpt.resized_batch(self.saved_position, samples_per_batch, grad_accum)
 
+    # ---------------------------------------------------------------- the cadence: the run's news, this one's choice
     def due(self, step: int) -> bool:
-        """Whether step N is one the cadence commits (epoch ends, stops and the end are the caller's news)."""
+        """Whether step N is one of the cadence's (every N optimizer steps)."""
         return bool(self.every) and step % self.every == 0
+
+    def step_ended(self, step: int, stopping: bool, last: bool, epoch_done: bool) -> None:
+        """A step ended, the same news on every rank. A stop or the run's last step commits now; a step of the
+        cadence in the background (--checkpoint-async); an epoch's last step waits for epoch_ended(), whose
+        position is the next epoch's start."""
+        if stopping or (not epoch_done and last):
+            self.commit_now()
+        elif not epoch_done and self.due(step):
+            self.commit_now(background=True)
+
+    def epoch_ended(self) -> None:
+        """An epoch ended: a checkpoint at the next epoch's start, unless one of this step was asked for already (a
+        stop's, the last step's say the same)."""
+        if self.last_requested != self.where()[0].step:
+            self.commit_now()
+
+    def ending(self) -> None:
+        """The run ends: its last step committed (unless it was already), and every write waited for."""
+        if self.last_requested != self.where()[0].step:
+            self.commit_now()
+        self.wait()
+
+    def commit_now(self, background: bool = False) -> None:
+        """Commit the run's moment (every rank calls this; see commit())."""
+        with self.paused():
+            self.commit(*self.where(), background)
 
     def commit(self, pos: Position, samples_per_batch: int, config: dict[str, Any], background: bool = False) -> None:
         """Commit a checkpoint of the registered objects at `pos` (every rank calls this). background: a cadence

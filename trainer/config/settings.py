@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dotenv import dotenv_values
 from dotenv.parser import parse_stream
@@ -40,44 +40,48 @@ FALSE_WORDS = ("0", "false", "no", "off")
 WEEK_S = 7 * 24 * 3600
 
 
-def option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any, help: str, choices: Sequence[str] | None = None, loop: bool = False) -> Any:
+    """A setting: its flag, TRAIN_* variable, --help line and docs/settings.md row come from here. loop: the built-in
+    loop's own (its model, data, augmentation, loss, optimizer and validation), which a script brings for itself:
+    api.Run() carries it in run.settings and checks it against nothing."""
+    return field(default=default, metadata={"help": help, "choices": choices, "loop": loop})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     # What to train on what.
     model: str = option("resnet18", "model: built-in (" + ", ".join(catalog.MODELS) + "), any torchvision "
-                        "classification model (--list-models), or your own as module:function")
+                        "classification model (--list-models), or your own as module:function", loop=True)
     dataset: str = option("synthetic", "training data: " + ", ".join(catalog.DATASETS) + " (synthetic needs no "
-                          "files), or your own as module:function")
-    data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)")
+                          "files), or your own as module:function", loop=True)
+    data_dir: str = option("./data", "dataset root (imagefolder: holds train/ and val/)", loop=True)
     image_size: int = option(224, "imagefolder: side of the training and validation crops in pixels "
                              "(e.g. 32 or 64 for small images; --train-crop-size and --val-crop-size set one "
-                             "of the two)")
+                             "of the two)", loop=True)
     augment: str = option("auto", "imagefolder augmentation: imagenet (random-resized crop + flip), light "
                           "(random crop with padding + flip, for small images), none (resize + center crop); "
-                          f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS)
-    synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)")
-    synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)")
+                          f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS, loop=True)
+    synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)", loop=True)
+    synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)",
+                                       loop=True)
     # torchvision's reference recipe (references/classification/train.py): its flags, meanings and defaults,
     # mapped onto the options above where they overlap (trainer/data/augment.py, docs/recipes.md).
     train_crop_size: int = option(0, "side of the training crops in pixels (0: --image-size for image folders, "
-                                  "the images' own side for synthetic, cifar10 and mnist)")
+                                  "the images' own side for synthetic, cifar10 and mnist)", loop=True)
     val_resize_size: int = option(0, "image folders: the validation images' shorter side before the centre crop "
-                                  "(0: 8/7 of --val-crop-size, 256 for 224)")
+                                  "(0: 8/7 of --val-crop-size, 256 for 224)", loop=True)
     val_crop_size: int = option(0, "side of the validation centre crops in pixels (0: --image-size for image "
-                                "folders, the images' own side for synthetic, cifar10 and mnist)")
+                                "folders, the images' own side for synthetic, cifar10 and mnist)", loop=True)
     interpolation: str = option("bilinear", "resampling of the resized crops and of --auto-augment's geometric "
                                 "operations (those take nearest or bilinear: bicubic crops get bilinear ones)",
-                                INTERPOLATIONS)
+                                INTERPOLATIONS, loop=True)
     auto_augment: str = option("", "a per-sample augmentation policy after the crop and flip: ta_wide "
                                "(TrivialAugmentWide), ra (RandAugment), augmix (AugMix), or AutoAugment's imagenet, "
-                               "cifar10 or svhn policy; empty: none")
-    ra_magnitude: int = option(9, "--auto-augment ra: RandAugment's magnitude (0 to 30)")
-    augmix_severity: int = option(3, "--auto-augment augmix: AugMix's severity (1 to 10)")
+                               "cifar10 or svhn policy; empty: none", loop=True)
+    ra_magnitude: int = option(9, "--auto-augment ra: RandAugment's magnitude (0 to 30)", loop=True)
+    augmix_severity: int = option(3, "--auto-augment augmix: AugMix's severity (1 to 10)", loop=True)
     random_erase: float = option(0.0, "probability that a training sample gets a random rectangle erased "
-                                 "(RandomErasing, filled with the mean colour)")
+                                 "(RandomErasing, filled with the mean colour)", loop=True)
     ra_sampler: bool = option(False, "repeated augmentation: each epoch's samples come --ra-reps times each, on "
                               "different ranks, under different augmentations; the epoch keeps its length, so it "
                               "holds 1/--ra-reps of the distinct samples")
@@ -89,22 +93,24 @@ class TrainConfig:
     batch_size: int = option(64, "samples per process per micro-batch")
     global_batch_size: int = option(0, "samples per optimizer step over all processes (0: use --batch-size)")
     grad_accum: int = option(1, "micro-batches accumulated per optimizer step")
-    optimizer: str = option("sgd", "optimizer", ("sgd", "adamw"))
-    lr: float = option(0.1, "peak learning rate")
-    momentum: float = option(0.9, "SGD momentum (AdamW: beta1)")
+    optimizer: str = option("sgd", "optimizer", ("sgd", "adamw"), loop=True)
+    lr: float = option(0.1, "peak learning rate", loop=True)
+    momentum: float = option(0.9, "SGD momentum (AdamW: beta1)", loop=True)
     weight_decay: float = option(5e-4, "weight decay (norm layers and biases: --norm-weight-decay and "
-                                 "--bias-weight-decay)")
+                                 "--bias-weight-decay)", loop=True)
     norm_weight_decay: float = option(0.0, "weight decay of the norm layers' parameters (BatchNorm, LayerNorm, "
-                                      "GroupNorm, InstanceNorm)")
+                                      "GroupNorm, InstanceNorm)", loop=True)
     bias_weight_decay: float = option(0.0, "weight decay of the biases (any parameter named bias, norm layers' "
-                                      "too)")
-    lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"))
+                                      "too)", loop=True)
+    lr_schedule: str = option("cosine", "learning-rate schedule after warm-up", ("cosine", "step", "constant"),
+                              loop=True)
     warmup_steps: int = option(-1, "linear warm-up steps (-1: 5% of the run's optimizer steps, so that a "
                                "short run or a larger world size is not mostly warm-up)")
     clip_grad_norm: float = option(0.0, "clip the gradients' total L2 norm to this bound before each optimizer "
                                    "step (fp16: after the loss scale is taken out; fsdp: the norm over every "
                                    "shard); logged as Grad/norm; unset: no clipping")
-    label_smoothing: float = option(0.0, "cross-entropy's label smoothing, 0 to below 1 (training loss only)")
+    label_smoothing: float = option(0.0, "cross-entropy's label smoothing, 0 to below 1 (training loss only)",
+                                    loop=True)
     mixup_alpha: float = option(0.0, "mixup: each batch blended with itself reversed, by a Beta(alpha, alpha) "
                                 "draw (0: off; with --cutmix-alpha, one of the two per batch)")
     cutmix_alpha: float = option(0.0, "cutmix: a Beta(alpha, alpha)-sized box of each image replaced by its "
@@ -126,22 +132,22 @@ class TrainConfig:
     loader: str = option("auto", "input path: memory (batched tensor ops, on the GPU when there is one), "
                          "dataloader (worker processes), auto (memory for in-memory datasets: synthetic, "
                          "cifar10, mnist)",
-                         ("auto", "memory", "dataloader"))
-    num_workers: int = option(2, "DataLoader worker processes per training process")
+                         ("auto", "memory", "dataloader"), loop=True)
+    num_workers: int = option(2, "DataLoader worker processes per training process", loop=True)
     # Image files (trainer/data/jpeg.py, trainer/data/pack.py).
     decode: str = option("auto", "imagefolder decoding: cpu (worker processes decode no more pixels than the "
                          "crop needs), gpu (nvJPEG batches on the GPU, crops and flips there; other files on "
                          "the CPU), pil (PIL + torchvision transforms, the reference); auto: cpu (gpu is opt-in until "
-                         "a GPU run has measured it)", ("auto", "cpu", "gpu", "pil"))
+                         "a GPU run has measured it)", ("auto", "cpu", "gpu", "pil"), loop=True)
     decode_gpu_share: float = option(1.0, "--decode gpu: the share of each batch's JPEGs nvJPEG decodes (0 to 1, "
                                      "as DALI's hw_decoder_load); the rest, chosen by sample, are decoded by the "
-                                     "loader's workers on the CPU path, so the two decoders add up")
+                                     "loader's workers on the CPU path, so the two decoders add up", loop=True)
     max_bad_files: str = option("0.001", "imagefolder and packed: image files that do not decode (truncated, not an "
                                 "image) are skipped, each with one warning and a black image of its label in its "
                                 "place, the same every time; the run stops once an epoch meets more than this many: "
                                 "a count (10), or a fraction of the epoch's files (0.001: 0.1%, at least 1)")
     # Observability.
-    val_every: int = option(1, "validate every N epochs (0: never)")
+    val_every: int = option(1, "validate every N epochs (0: never)", loop=True)
     log_every: int = option(50, "log every N optimizer steps (the only host sync of the loop)")
     log_dir: str = option("./runs", "TensorBoard events and summary.json")
     tracker: str = option("tensorboard", "experiment trackers, comma-separated: tensorboard, csv (metrics.csv), "
@@ -191,6 +197,7 @@ class TrainConfig:
 
 
 OPTIONS = [f for f in dataclasses.fields(TrainConfig) if not f.metadata.get("derived")]
+_FIELDS = {f.name: f for f in OPTIONS}
 
 # Names users type for an option, from other tools (Hugging Face's TrainingArguments, Lightning, torchvision's
 # reference scripts, timm): a near miss by spelling would suggest another option (TRAIN_LEARNING_RATE read as
@@ -340,13 +347,15 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_si
         raise UsageError("arguments", f"unrecognized arguments: {' '.join(unknown)}",
                          f"{hint}see `{parser.prog} --help`")
     flags = {f.name: (getattr(args, f.name), flag_name(f.name)) for f in OPTIONS if getattr(args, f.name) is not None}
-    return _merged(flags, environ, args.env_file, world_size)
+    return _merged(flags, environ, args.env_file, world_size, loop=True)
 
 
 def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], world_size: int) -> TrainConfig:
     """What a script's trainer.api.Run(**overrides) runs with: its keyword arguments, then the TRAIN_* environment
-    and .env, then the defaults; the same settings as the built-in loop's, checked by the same code, and a
-    mistake in one names the keyword argument (checkpoint_every) where the script gave it. None: not given."""
+    and .env, then the defaults. The run's settings are checked by the built-in loop's code, and a mistake in one
+    names the keyword argument (checkpoint_every) where the script gave it; the built-in loop's own (loop=True: its
+    model, data, loss, optimizer) are carried in run.settings unchecked: the script brings its own. None: not
+    given."""
     names = [f.name for f in OPTIONS]
     given = {}
     for name, value in overrides.items():
@@ -357,12 +366,13 @@ def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], wo
                              "flags: --checkpoint-every is checkpoint_every")
         if value is not None:
             given[name] = (str(value) if not isinstance(value, bool) else str(value).lower(), name)
-    return _merged(given, environ, None, world_size)
+    return _merged(given, environ, None, world_size, loop=False)
 
 
 def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], env_file_named: str | None,
-            world_size: int) -> TrainConfig:
-    """given: {option: (raw value, the setting's name for errors)}, which win over the environment and .env."""
+            world_size: int, loop: bool) -> TrainConfig:
+    """given: {option: (raw value, the setting's name for errors)}, which win over the environment and .env; loop:
+    the built-in loop's (its own model and data checked too)."""
     env_file = env_file_named or DEFAULT_ENV_FILE
     dotenv = _read_dotenv(env_file, named=env_file_named is not None)
     _reject_unknown_names(environ, "the environment")
@@ -399,7 +409,7 @@ def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], en
         # launcher's agent says when the run started; older checkpoints there are another run's), else from FILE.
         values["resume"] = newest_since(TrainConfig(**values).checkpoint_dir, float(environ[RUN_STARTED_ENV])) or \
             values["resume"]
-    return _validated(TrainConfig(**values), world_size, sources)
+    return _validated(TrainConfig(**values), world_size, sources, loop)
 
 
 RUN_STARTED_ENV = "TRAINER_RUN_STARTED"  # the launcher's agent: when this run began (time.time())
@@ -529,19 +539,62 @@ def crop_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
     return cfg.train_crop_size or side, cfg.val_resize_size or int(val_crop * 8 / 7), val_crop
 
 
+# Each setting's range, checked where its door reads it (a loop=True setting by the built-in loop only).
+MINIMA = (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8), ("epochs", 1), ("max_steps", 0),
+          ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0), ("momentum", 0),
+          ("weight_decay", 0), ("warmup_steps", -1), ("num_workers", 0), ("val_every", 0), ("log_every", 1),
+          ("checkpoint_every", 0), ("keep_checkpoints", 2), ("collective_timeout", 1), ("local_sgd_period", 0),
+          ("seed", 0), ("train_crop_size", 0), ("val_resize_size", 0), ("val_crop_size", 0), ("ra_magnitude", 0),
+          ("augmix_severity", 1), ("random_erase", 0), ("ra_reps", 1), ("label_smoothing", 0), ("mixup_alpha", 0),
+          ("cutmix_alpha", 0), ("norm_weight_decay", 0), ("bias_weight_decay", 0), ("model_ema_steps", 1))
+MAXIMA = (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S), ("seed", 2**32 - 1),
+          ("train_crop_size", 4096), ("val_resize_size", 4096), ("val_crop_size", 4096), ("ra_magnitude", 30),
+          ("augmix_severity", 10), ("random_erase", 1))
+
+
+def built_in_loop_only(name: str) -> bool:
+    """A setting of the built-in loop's own model, data, loss and optimizer (option(..., loop=True))."""
+    return bool(_FIELDS[name].metadata.get("loop"))
+
+
+def _check_ranges(cfg: TrainConfig, setting, loop: bool) -> None:
+    for name, minimum in MINIMA:
+        if (loop or not built_in_loop_only(name)) and getattr(cfg, name) < minimum:
+            raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
+    for name, maximum in MAXIMA:
+        value = getattr(cfg, name)
+        if (loop or not built_in_loop_only(name)) and value > maximum:
+            raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
+                             f"{value} is above {maximum}", f"use {maximum} or less")
+    for name in ("data_dir", "log_dir", "checkpoint_dir"):
+        if (loop or not built_in_loop_only(name)) and not getattr(cfg, name).strip():
+            raise UsageError(setting(name), "is empty", "give a directory path")
+
+
 def _check_recipe(cfg: TrainConfig, sources: dict[str, str], setting) -> None:
-    """The reference recipe's settings (torchvision's references/classification/train.py)."""
+    """The reference recipe's settings a script's Run applies too: clipping, the average of the weights."""
     if "clip_grad_norm" in sources and cfg.clip_grad_norm <= 0:  # nan and inf: _convert refused them
         problem = "0 would scale every gradient to zero" if cfg.clip_grad_norm == 0 else \
             f"{cfg.clip_grad_norm:g} is below 0"
         raise UsageError(setting("clip_grad_norm"), problem, "give a positive bound such as 1.0, or leave it unset "
                          "for no clipping")
-    if cfg.label_smoothing >= 1:
-        raise UsageError(setting("label_smoothing"), f"{cfg.label_smoothing:g} is not below 1 (1 leaves the true "
-                         "class no more weight than the others)", "use a value from 0 to below 1, such as 0.1")
     if not 0 < cfg.model_ema_decay < 1:
         raise UsageError(setting("model_ema_decay"), f"{cfg.model_ema_decay:g} is not between 0 and 1",
                          "use a decay such as 0.99998 (the reference's), above 0 and below 1")
+    if cfg.model_ema and cfg.strategy == "fsdp":
+        raise UsageError(setting("model_ema"), "keeps a whole copy of the weights on every process, which fsdp "
+                         "shards", f"drop it, or use {setting('strategy')} ddp")
+    if cfg.model_ema and cfg.local_sgd_period:
+        raise UsageError(setting("model_ema"), f"averages one model's weights, and {setting('local_sgd_period')} lets "
+                         "every process's weights drift apart between averages", "drop one of the two")
+
+
+def _check_loop_recipe(cfg: TrainConfig, setting) -> None:
+    """The reference recipe's settings of the built-in loop's own data and loss (torchvision's
+    references/classification/train.py): the policy, the crops against the dataset's images, the mixing."""
+    if cfg.label_smoothing >= 1:
+        raise UsageError(setting("label_smoothing"), f"{cfg.label_smoothing:g} is not below 1 (1 leaves the true "
+                         "class no more weight than the others)", "use a value from 0 to below 1, such as 0.1")
     if cfg.auto_augment and cfg.auto_augment not in AUTO_AUGMENT:
         close = difflib.get_close_matches(cfg.auto_augment, AUTO_AUGMENT, n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}? " if close else ""
@@ -571,42 +624,54 @@ def _check_recipe(cfg: TrainConfig, sources: dict[str, str], setting) -> None:
     if mixing and cfg.model in catalog.MODELS and catalog.MODELS[cfg.model].reconstructs:
         raise UsageError(setting(mixing), f"mixes class targets, and {cfg.model} is trained to reconstruct its "
                          "inputs", f"drop {setting(mixing)} for --model {cfg.model}")
-    if cfg.model_ema and cfg.strategy == "fsdp":
-        raise UsageError(setting("model_ema"), "keeps a whole copy of the weights on every process, which fsdp "
-                         "shards", "drop it, or use --strategy ddp")
-    if cfg.model_ema and cfg.local_sgd_period:
-        raise UsageError(setting("model_ema"), "averages one model's weights, and --local-sgd-period lets every "
-                         "process's weights drift apart between averages", "drop one of the two")
 
 
-def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> TrainConfig:
-    def setting(name: str) -> str:
-        return sources.get(name, flag_name(name))
+def _batch_per_process(cfg: TrainConfig, world_size: int, sources: dict[str, str], setting) -> int:
+    """The samples per process per micro-batch: --batch-size, or --global-batch-size over the world."""
+    if not cfg.global_batch_size:
+        return cfg.batch_size
+    per_step = world_size * cfg.grad_accum
+    if cfg.global_batch_size % per_step:
+        raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} is not divisible by world size "
+                         f"{world_size} x grad-accum {cfg.grad_accum}", f"use a multiple of {per_step}")
+    batch_size = cfg.global_batch_size // per_step
+    if "batch_size" in sources and batch_size != cfg.batch_size:
+        raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} makes {batch_size} samples per "
+                         f"process per micro-batch, and {setting('batch_size')} says {cfg.batch_size}",
+                         "give one of the two")
+    return batch_size
 
-    for name, minimum in (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8), ("epochs", 1),
-                          ("max_steps", 0), ("batch_size", 1), ("global_batch_size", 0), ("grad_accum", 1), ("lr", 0),
-                          ("momentum", 0), ("weight_decay", 0), ("warmup_steps", -1), ("num_workers", 0),
-                          ("val_every", 0), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 2),
-                          ("collective_timeout", 1), ("local_sgd_period", 0), ("seed", 0), ("train_crop_size", 0),
-                          ("val_resize_size", 0), ("val_crop_size", 0), ("ra_magnitude", 0), ("augmix_severity", 1),
-                          ("random_erase", 0), ("ra_reps", 1), ("label_smoothing", 0), ("mixup_alpha", 0),
-                          ("cutmix_alpha", 0), ("norm_weight_decay", 0), ("bias_weight_decay", 0),
-                          ("model_ema_steps", 1)):
-        if getattr(cfg, name) < minimum:
-            raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
-    for name, maximum in (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S),
-                          ("seed", 2**32 - 1), ("train_crop_size", 4096), ("val_resize_size", 4096),
-                          ("val_crop_size", 4096), ("ra_magnitude", 30), ("augmix_severity", 10), ("random_erase", 1)):
-        if getattr(cfg, name) > maximum:
-            value = getattr(cfg, name)
-            raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
-                             f"{value} is above {maximum}", f"use {maximum} or less")
-    for name in ("data_dir", "log_dir", "checkpoint_dir"):
-        if not getattr(cfg, name).strip():
-            raise UsageError(setting(name), "is empty", "give a directory path")
-    _check_observability(cfg, world_size, setting)
-    bad_file_bound(cfg.max_bad_files, 0, setting("max_bad_files"))
-    _check_recipe(cfg, sources, setting)
+
+def _check_image_folder(cfg: TrainConfig, setting) -> None:
+    """--dataset imagefolder: the folders ImageFolder needs, checked before torchvision is imported (seconds)."""
+    train_dir = Path(cfg.data_dir) / "train"
+    if not train_dir.is_dir():
+        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
+                         "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
+    try:  # the cheap half of ImageFolder's check
+        has_class_folders = any(entry.is_dir() for entry in train_dir.iterdir())
+    except OSError as err:
+        raise UsageError(setting("data_dir"), f"cannot list {train_dir} ({err.strerror})",
+                         "make the data folder readable by the trainer's user") from None
+    if not has_class_folders:
+        raise UsageError(setting("data_dir"), f"{train_dir} has no class folders",
+                         f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
+    for split in (train_dir, Path(cfg.data_dir) / "val"):
+        if not split.is_dir():
+            continue
+        try:  # the other half: a class folder without an image, which ImageFolder refuses in every worker
+            _, empty = catalog.class_folders(split)
+        except OSError as err:
+            raise UsageError(setting("data_dir"), f"cannot list {split} ({err.strerror})",
+                             "make the data folder readable by the trainer's user") from None
+        if empty:
+            raise UsageError(setting("data_dir"), f"{len(empty)} class folder(s) of {split} hold no image: "
+                             f"{', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}",
+                             f"put images in them ({', '.join(catalog.IMAGE_EXTENSIONS)}) or remove them")
+
+
+def _check_loop_data(cfg: TrainConfig, world_size: int, batch_size: int, setting) -> None:
+    """The built-in loop's model and data: their names, the synthetic set's memory and steps, the files."""
     catalog.check_model_name(cfg.model, setting("model"))
     catalog.check_dataset_name(cfg.dataset, setting("dataset"))
     if cfg.dataset == "synthetic":
@@ -616,84 +681,69 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str]) -> Tr
             raise UsageError(setting("synthetic_size"), f"{cfg.synthetic_size} images of {cfg.synthetic_image_size}"
                              f"x{cfg.synthetic_image_size} need {need / 2**30:.1f} GiB and this host has "
                              f"{have / 2**30:.1f} GiB", "lower --synthetic-size or --synthetic-image-size")
+        synthetic_batches = cfg.synthetic_size // world_size // batch_size  # per rank, as the sampler cuts them
+        if synthetic_batches < cfg.grad_accum:
+            raise no_step_error(synthetic_batches, cfg.grad_accum)
     if not 0 <= cfg.decode_gpu_share <= 1:
         raise UsageError(setting("decode_gpu_share"), f"{cfg.decode_gpu_share:g} is not a share between 0 and 1",
                          "give e.g. 0.65 for two thirds of each batch on the GPU's decoder, or 1 for all")
     if cfg.momentum >= 1:
         raise UsageError(setting("momentum"), f"{cfg.momentum} must be below 1", "use a value such as 0.9")
-    batch_size = cfg.batch_size
-    if cfg.global_batch_size:
-        per_step = world_size * cfg.grad_accum
-        if cfg.global_batch_size % per_step:
-            raise UsageError(setting("global_batch_size"),
-                             f"{cfg.global_batch_size} is not divisible by world size {world_size} "
-                             f"x grad-accum {cfg.grad_accum}",
-                             f"use a multiple of {per_step}")
-        batch_size = cfg.global_batch_size // per_step
-        if "batch_size" in sources and batch_size != cfg.batch_size:
-            raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} makes {batch_size} samples per "
-                             f"process per micro-batch, and {setting('batch_size')} says {cfg.batch_size}",
-                             "give one of the two")
-    synthetic_batches = cfg.synthetic_size // world_size // batch_size  # per rank, as the sampler will cut them
-    if cfg.dataset == "synthetic" and synthetic_batches < cfg.grad_accum:
-        raise no_step_error(synthetic_batches, cfg.grad_accum)
     if cfg.dataset == "imagefolder":
-        train_dir = Path(cfg.data_dir) / "train"
-        if not train_dir.is_dir():
-            raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
-                             "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
-        try:  # the cheap half of ImageFolder's check, before torchvision is imported (seconds)
-            has_class_folders = any(entry.is_dir() for entry in train_dir.iterdir())
-        except OSError as err:
-            raise UsageError(setting("data_dir"), f"cannot list {train_dir} ({err.strerror})",
-                             "make the data folder readable by the trainer's user") from None
-        if not has_class_folders:
-            raise UsageError(setting("data_dir"), f"{train_dir} has no class folders",
-                             f"put images in {train_dir}/<class>/ (.jpg, .png, ...)")
-        for split in (train_dir, Path(cfg.data_dir) / "val"):
-            if not split.is_dir():
-                continue
-            try:  # the other half: a class folder without an image, which ImageFolder refuses in every worker
-                _, empty = catalog.class_folders(split)
-            except OSError as err:
-                raise UsageError(setting("data_dir"), f"cannot list {split} ({err.strerror})",
-                                 "make the data folder readable by the trainer's user") from None
-            if empty:
-                raise UsageError(setting("data_dir"), f"{len(empty)} class folder(s) of {split} hold no image: "
-                                 f"{', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}",
-                                 f"put images in them ({', '.join(catalog.IMAGE_EXTENSIONS)}) or remove them")
+        _check_image_folder(cfg, setting)
     if cfg.dataset == "packed" and not (Path(cfg.data_dir) / "pack.json").is_file():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' holds no pack.json for --dataset packed",
                          f"pack an image folder into it first: trainer-pack SRC {cfg.data_dir}")
     if cfg.dataset in ("cifar10", "mnist") and Path(cfg.data_dir).exists() and not Path(cfg.data_dir).is_dir():
         raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' is not a directory", "point it at a dataset folder")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
-        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
-                         "give a checkpoint (a step-* file or directory), auto or never")
     if cfg.loader == "memory" and not catalog.in_memory(cfg.dataset):
         raise UsageError(setting("loader"), f"{cfg.dataset} is read sample by sample, not held in memory",
                          "use --loader dataloader or auto")
-    if cfg.strategy == "fsdp" and cfg.sync_bn:
-        raise UsageError(setting("sync_bn"), "SyncBatchNorm is for --strategy ddp (fsdp shards the norm layers)",
-                         "drop --sync-bn, or use --strategy ddp")
-    if cfg.strategy == "fsdp" and cfg.local_sgd_period:
-        raise UsageError(setting("local_sgd_period"), "averages whole copies of the parameters, which no process "
-                         "holds under fsdp", "drop it, or use --strategy ddp")
-    if cfg.strategy != "fsdp" and cfg.fsdp_cpu_offload:
-        raise UsageError(setting("fsdp_cpu_offload"), "offloads fsdp's shards, and this run is --strategy ddp",
-                         "add --strategy fsdp, or drop it")
     if cfg.model == "autoencoder" and cfg.channels_last:
         raise UsageError(setting("channels_last"), "the MLP autoencoder has no convolutions",
                          "drop --channels-last for --model autoencoder")
+
+
+def _check_strategy(cfg: TrainConfig, setting) -> None:
+    if cfg.strategy == "fsdp" and cfg.sync_bn:
+        raise UsageError(setting("sync_bn"), "SyncBatchNorm is for strategy ddp (fsdp shards the norm layers)",
+                         f"drop {setting('sync_bn')}, or use {setting('strategy')} ddp")
+    if cfg.strategy == "fsdp" and cfg.local_sgd_period:
+        raise UsageError(setting("local_sgd_period"), "averages whole copies of the parameters, which no process "
+                         "holds under fsdp", f"drop it, or use {setting('strategy')} ddp")
+    if cfg.strategy != "fsdp" and cfg.fsdp_cpu_offload:
+        raise UsageError(setting("fsdp_cpu_offload"), "offloads fsdp's shards, and this run is strategy ddp",
+                         f"add {setting('strategy')} fsdp, or drop it")
+
+
+def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str], loop: bool) -> TrainConfig:
+    """The settings checked as their door reads them: the run's everywhere; loop: the built-in loop's own model,
+    data, loss and optimizer too (a script brings its own, and its Run checks none of them)."""
+    def setting(name: str) -> str:
+        return sources.get(name, flag_name(name) if loop else name)
+
+    _check_ranges(cfg, setting, loop)
+    _check_observability(cfg, world_size, setting)
+    bad_file_bound(cfg.max_bad_files, 0, setting("max_bad_files"))
+    _check_recipe(cfg, sources, setting)
+    _check_strategy(cfg, setting)
+    batch_size = _batch_per_process(cfg, world_size, sources, setting)
+    if loop:
+        _check_loop_recipe(cfg, setting)
+        _check_loop_data(cfg, world_size, batch_size, setting)
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
+                         "give a checkpoint (a step-* file or directory), auto or never")
     return dataclasses.replace(cfg, batch_size=batch_size, world_size=world_size)
 
 
-def check_gpu_options(backend: str, sync_bn: bool, cuda_available: bool, world_size: int) -> None:
+def check_gpu_options(backend: str, sync_bn: bool, cuda_available: bool, world_size: int,
+                      label: Callable[[str], str] = flag_name) -> None:
     """Settings that need a GPU, refused where there is none (the launcher checks before torchrun starts
-    ranks that would each fail)."""
+    ranks that would each fail). label: a setting's name as its user wrote it (a script's keyword argument)."""
     if backend == "nccl" and not cuda_available:
-        raise UsageError("--backend", "nccl needs a CUDA GPU and none is visible",
-                         "use --backend gloo (or auto) on CPU hosts, or give the container GPUs")
+        raise UsageError(label("backend"), "nccl needs a CUDA GPU and none is visible",
+                         f"use {label('backend')} gloo (or auto) on CPU hosts, or give the container GPUs")
     if sync_bn and world_size > 1 and not cuda_available:
-        raise UsageError("--sync-bn", "SyncBatchNorm runs on CUDA GPUs only and none is visible",
-                         "drop --sync-bn on CPU hosts")
+        raise UsageError(label("sync_bn"), "SyncBatchNorm runs on CUDA GPUs only and none is visible",
+                         f"drop {label('sync_bn')} on CPU hosts")

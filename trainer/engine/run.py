@@ -87,14 +87,8 @@ class Run:
             with exit_on_usage_error():
                 self.settings = self._for_this_device(config)
                 check_same_software(self.ctx)
-                labels = Labels(self._label("checkpoint_dir"), self._label("log_dir"), self._label("resume"))
-                if self.door == SCRIPT:
-                    labels = replace(labels, diverged_fix="lower the learning rate or lengthen its warm-up; with "
-                                                          "amp fp16 try bf16")
-                self.checkpointer = Checkpointer(self.ctx, self.settings.checkpoint_dir,
-                                                 self.settings.keep_checkpoints, self.settings.checkpoint_every,
-                                                 self.settings.resume, self.settings.strategy == "fsdp", self.door,
-                                                 labels, self.settings.checkpoint_async)
+                self.observers = Observers(self.settings, self.ctx, self.started)
+                self.checkpointer = self._new_checkpointer()
             with exit_on_usage_error(silent=not self.ctx.is_local_main):
                 self._inplace = self._join_replicas() if largest is not None else None
         except BaseException:
@@ -102,7 +96,6 @@ class Run:
             raise
         import torch
 
-        self.observers = Observers(self.settings, self.ctx, self.started)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.settings.amp == "fp16")
         self.strategy: Strategy | None = None
         self.position = Position()
@@ -133,6 +126,17 @@ class Run:
             self.observers.writes = self._inplace.writes
 
     # ------------------------------------------------------------------ joining
+    def _new_checkpointer(self) -> Checkpointer:
+        """The run's checkpointer: it reads the run's moment (_where) when its cadence commits, out of samples/s."""
+        cfg = self.settings
+        labels = Labels(self._label("checkpoint_dir"), self._label("log_dir"), self._label("resume"))
+        if self.door == SCRIPT:
+            labels = replace(labels, diverged_fix="lower the learning rate or lengthen its warm-up; with amp fp16 "
+                                                  "try bf16")
+        return Checkpointer(self.ctx, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.resume,
+                            cfg.strategy == "fsdp", self.door, labels, cfg.checkpoint_async, where=self._where,
+                            paused=self.observers.paused)
+
     def _label(self, name: str) -> str:
         """A setting as this run's user wrote it: a flag (--collective-timeout) for the built-in loop, a keyword
         argument (collective_timeout) for a script."""
@@ -182,9 +186,13 @@ class Run:
                 log.info("%s", ended)
             raise SystemExit(0) from None
 
+    def _where(self) -> tuple[Position, int, dict[str, Any]]:
+        """What a checkpoint records of this moment: the position, one micro-batch over all ranks, the settings."""
+        return self.position, self._samples_per_batch(), self.settings.as_dict()
+
     def _replica_state(self) -> dict:
         """What a host behind gets from this one: the checkpoint dict at the current position."""
-        return self.checkpointer.state_at(self.position, self._samples_per_batch(), self.settings.as_dict())
+        return self.checkpointer.state_at(*self._where())
 
     def _from_replica(self, state: dict) -> None:
         self.position = self.checkpointer.put_back(state, Path("a live peer's state"))
@@ -216,7 +224,7 @@ class Run:
         import torch
 
         cuda = self.ctx.device.type == "cuda"
-        check_gpu_options(config.backend, config.sync_bn, cuda, self.ctx.world_size)
+        check_gpu_options(config.backend, config.sync_bn, cuda, self.ctx.world_size, self._label)
         if cuda or config.amp == "off":
             return config
         amp = self._label("amp")
@@ -271,7 +279,8 @@ class Run:
         cfg = self.settings
         self._model_name = type(model).__name__  # fsdp renames the class (FSDPSequential)
         with exit_on_usage_error():
-            self.strategy = for_run(cfg, self.ctx, model)
+            self.strategy = for_run(cfg, self.ctx, model, label=self._label,
+                                    name=self._names[0] or type(model).__name__)
             if cfg.sync_bn and self.distributed:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
             memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
@@ -566,8 +575,7 @@ class Run:
         training goes on (the cadence's checkpoints; a stop's and the end's are written before the next step)."""
         with self._once():
             self._require("run.save()")
-        with self.observers.paused():
-            self.checkpointer.commit(self.position, self._samples_per_batch(), self.settings.as_dict(), background)
+        self.checkpointer.commit_now(background)
 
     # ------------------------------------------------------------------ the loop
     def epochs(self, count: int | None = None) -> Iterator[int]:
@@ -590,8 +598,7 @@ class Run:
                 return
             self.position = Position(self.position.epoch + 1, 0, self.position.step)
             self.observers.log(self.position.step, {"time/epoch_s": time.perf_counter() - self._epoch_start})
-            if self.checkpointer.last_requested != self.position.step:  # else that checkpoint says the same
-                self.save()
+            self.checkpointer.epoch_ended()
 
     def steps(self, batches: Iterable) -> Iterator[Iterator]:
         """One optimizer step per item: an iterator over its grad_accum micro-batches, each in the strategy's
@@ -657,8 +664,7 @@ class Run:
         total = samples * self.world_size if self._inplace is None else samples  # in place: the step's, given
         self.observers.after_step(step, pos.epoch, total, last, lr, scalars, self._check_weights)
         stopping = self._supervised.vote.vote(self._supervised.requested)
-        if stopping or (not epoch_done and (last or self.checkpointer.due(step))):
-            self.save(background=not (stopping or last))
+        self.checkpointer.step_ended(step, stopping, last, epoch_done)
         self.stopped = self.stopped or stopping
         self._ended = self._ended or last
         self._ended_mid_epoch = last and not epoch_done
@@ -759,9 +765,7 @@ class Run:
         code = 0
         if self._training:
             self.stopped = self._supervised.vote.finish() or self.stopped  # leave with no collective in flight
-            if self.checkpointer.last_requested != self.position.step:
-                self.save()
-            self.checkpointer.wait()  # the last one committed before the summary says so
+            self.checkpointer.ending()  # the last one committed before the summary says so
             if self._inplace is not None and not self.stopped and self._ended and not self._ended_elsewhere:
                 self._inplace_last_commit()
         self._supervised.close()
@@ -796,7 +800,7 @@ class Run:
             log.warning("in place: the host that writes the checkpoints did not confirm step %d: this host writes it",
                         self.position.step)
             self._inplace.take_over()
-            self.save()
+            self.checkpointer.commit_now()
             self.checkpointer.wait()
 
     def _close(self) -> None:

@@ -27,7 +27,7 @@ from typing import Callable, ContextManager, Iterable, Iterator
 import torch
 from torch import nn
 
-from trainer.config.settings import TrainConfig
+from trainer.config.settings import TrainConfig, flag_name
 from trainer.core.errors import UsageError
 from trainer.parallel.compat import private
 from trainer.parallel.context import DistContext
@@ -258,16 +258,19 @@ def _accumulating(model, boundary: bool) -> Iterator[None]:
         model.set_reshard_after_backward(True)
 
 
-def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module, replicate: bool | None = None) -> Strategy:
-    """The run's strategy, its model checked before anything is written (replicate: see Strategy)."""
+def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module, replicate: bool | None = None,
+            label: Callable[[str], str] = flag_name, name: str | None = None) -> Strategy:
+    """The run's strategy, its model checked before anything is written (replicate: see Strategy). label: a
+    setting's name as its user wrote it (a script's keyword argument); name: the model's (--model's by default)."""
     blocks = find_blocks(model) if cfg.strategy == "fsdp" or cfg.activation_checkpointing else []
+    name = cfg.model if name is None else name
     if not blocks:
         if cfg.strategy == "fsdp":
-            raise UsageError("--strategy", f"fsdp finds no blocks to shard in {cfg.model} ({type(model).__name__} "
+            raise UsageError(label("strategy"), f"fsdp finds no blocks to shard in {name} ({type(model).__name__} "
                              "has no stack of repeated submodules)", "give the model an fsdp_blocks() method "
-                             "returning its blocks, or use --strategy ddp")
+                             f"returning its blocks, or use {label('strategy')} ddp")
         if cfg.activation_checkpointing:
-            raise UsageError("--activation-checkpointing", f"finds no blocks in {cfg.model} to recompute",
+            raise UsageError(label("activation_checkpointing"), f"finds no blocks in {name} to recompute",
                              "give the model an fsdp_blocks() method returning its blocks, or drop the setting")
     return (FSDPStrategy if cfg.strategy == "fsdp" else Strategy)(cfg, ctx, blocks, replicate)
 
