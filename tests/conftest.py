@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from fault_helpers import Launch
 
-HERE = Path(__file__).parent
-# One Docker engine's images and one Slurm cluster: their tests share session fixtures (an image build, a cluster
-# of three daemons on fixed ports), which a second worker would build or start a second time.
-ONE_MACHINE = (HERE / "containers", HERE / "slurm")
+# scripts/test's workers (pytest-xdist): each test file on one worker, so its module fixtures (a reference run, a
+# packed dataset) are made once; and every container and Slurm test on one worker, in the order collected, first:
+# they share session fixtures (one image build, one Slurm cluster of three daemons on fixed ports) that a second
+# worker would build or start a second time, and they take longest.
+ONE_MACHINE = ("tests/containers/", "tests/slurm/")
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest without xdist (scripts/test installs it): one process, nothing to schedule
+    LoadScopeScheduling = None
+else:
+    class ByFile(LoadScopeScheduling):
+        """xdist's scope scheduling with the scopes above (its xdist_group marks do not reach pytest 9's node ids)."""
 
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "containers-and-slurm" if path.startswith(ONE_MACHINE) else path
 
-def pytest_collection_modifyitems(config, items):
-    """Under scripts/test's workers (pytest-xdist, --dist loadgroup): each test file on one worker, so its module
-    fixtures (a reference run, a packed dataset) are made once, and every container and Slurm test on one worker."""
-    for item in items:
-        path = Path(str(item.fspath))
-        group = "containers-and-slurm" if any(d in path.parents for d in ONE_MACHINE) else path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+    def pytest_xdist_make_scheduler(config, log):
+        config.option.loadscopereorder = False  # collection order: the containers' and Slurm's group first
+        return ByFile(config, log)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from containerlib import ROOT, clean_env
 STOPPED_WITHIN_S = 45  # the containers stopped (the trainer checkpoints on SIGTERM in a second or two), pytest's exit
 UP = "tests/containers/test_cpu_stack.py::test_cpu_profile_trains_to_completion_and_tensorboard_serves_the_run"
 RUN = "tests/containers/test_bench_parity.py::test_bench_runs_the_trainer_bare_metal_and_in_the_container_and_reports_parity"
-SCRIPTS_TEST_WORKERS = ("-n", "2", "--dist", "loadgroup")  # what scripts/test adds by default
+SCRIPTS_TEST_WORKERS = ("-n", "2")  # what scripts/test adds by default
 CASES = {"compose up": UP, "the benchmark's compose run": RUN}
 
 
