@@ -1,8 +1,7 @@
 """Ctrl-C during the container tests: scripts/test stops in seconds and leaves no container behind.
 
-A terminal's Ctrl-C is SIGINT to its whole foreground process group; here, to the group of a pytest session as
-scripts/test execs it (two pytest-xdist workers under their controller) running a container test while its
-containers train: a compose project's `up`, and the
+A terminal's Ctrl-C is SIGINT to its whole foreground process group; here, to the group of a pytest session (what
+scripts/test execs by default: one process) running a container test while its containers train: a compose project's `up`, and the
 benchmark's `docker compose run` of the trainer. (Slurm's podman containers, tests/containers/test_slurm_podman.py,
 are not covered: Slurm runs them outside the session.)
 """
@@ -22,7 +21,6 @@ from containerlib import ROOT, clean_env
 STOPPED_WITHIN_S = 45  # the containers stopped (the trainer checkpoints on SIGTERM in a second or two), pytest's exit
 UP = "tests/containers/test_cpu_stack.py::test_cpu_profile_trains_to_completion_and_tensorboard_serves_the_run"
 RUN = "tests/containers/test_bench_parity.py::test_bench_runs_the_trainer_bare_metal_and_in_the_container_and_reports_parity"
-SCRIPTS_TEST_WORKERS = ("-n", "2")  # what scripts/test adds by default
 CASES = {"compose up": UP, "the benchmark's compose run": RUN}
 
 
@@ -45,7 +43,7 @@ def test_ctrl_c_while_containers_train_stops_the_tests_in_seconds_and_leaves_no_
     before = {c.id for c in docker_client.containers.list(all=True)}
     env = clean_env(TEST_REUSE_IMAGE="1", **cpu_image,
                     PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    session = subprocess.Popen([sys.executable, "-m", "pytest", *SCRIPTS_TEST_WORKERS, "-q", "-p", "no:cacheprovider", "--basetemp",
+    session = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
                                 str(tmp_path / "inner"), inner], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                preexec_fn=terminal_signals)
