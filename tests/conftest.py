@@ -16,7 +16,7 @@ ONE_MACHINE = ("tests/containers/", "tests/slurm/")
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # pytest without xdist (scripts/test installs it): one process, nothing to schedule
-    LoadScopeScheduling = None
+    pass
 else:
     class ByFile(LoadScopeScheduling):
         """xdist's scope scheduling with the scopes above (its xdist_group marks do not reach pytest 9's node ids)."""
