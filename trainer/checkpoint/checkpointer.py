@@ -290,14 +290,18 @@ class Checkpointer:
     def epoch_ended(self) -> None:
         """An epoch ended: a checkpoint at the next epoch's start, unless one of this step was asked for already (a
         stop's, the last step's say the same)."""
-        if self.last_requested != self.where()[0].step:
-            self.commit_now()
+        self._unless_asked()
 
     def ending(self) -> None:
         """The run ends: its last step committed (unless it was already), and every write waited for."""
-        if self.last_requested != self.where()[0].step:
-            self.commit_now()
+        self._unless_asked()
         self.wait()
+
+    def _unless_asked(self) -> None:
+        position, samples_per_batch, config = self.where()
+        if self.last_requested != position.step:
+            with self.paused():
+                self.commit(position, samples_per_batch, config)
 
     def commit_now(self, background: bool = False) -> None:
         """Commit the run's moment (every rank calls this; see commit())."""

@@ -558,16 +558,19 @@ def built_in_loop_only(name: str) -> bool:
 
 
 def _check_ranges(cfg: TrainConfig, setting, loop: bool) -> None:
+    def read(name: str) -> bool:  # by this door
+        return loop or not built_in_loop_only(name)
+
     for name, minimum in MINIMA:
-        if (loop or not built_in_loop_only(name)) and getattr(cfg, name) < minimum:
+        if read(name) and getattr(cfg, name) < minimum:
             raise UsageError(setting(name), f"{getattr(cfg, name)} is below {minimum}", f"use {minimum} or more")
     for name, maximum in MAXIMA:
         value = getattr(cfg, name)
-        if (loop or not built_in_loop_only(name)) and value > maximum:
+        if read(name) and value > maximum:
             raise UsageError(setting(name), f"{value:g} is above {maximum}" if isinstance(value, float) else
                              f"{value} is above {maximum}", f"use {maximum} or less")
     for name in ("data_dir", "log_dir", "checkpoint_dir"):
-        if (loop or not built_in_loop_only(name)) and not getattr(cfg, name).strip():
+        if read(name) and not getattr(cfg, name).strip():
             raise UsageError(setting(name), "is empty", "give a directory path")
 
 
