@@ -127,7 +127,12 @@ def test_a_failing_run_ends_up_with_its_error_and_status_within_seconds(clone, r
     assert re.search(r"""service "trainer-cpu" didn't complete successfully: exit 2""", output), output[-3000:]
     assert "Traceback" not in output
     runs = 1 + int((restart_policy or "on-failure:2").partition(":")[2] or 0)
-    assert output.count("exited with code 2") == runs, output[-3000:]
+    # Compose's printer races the end of `up` for the last run's lines (CI's run printed five "exited with code 2"
+    # of six), so the runs are counted by the engine itself.
+    assert output.count("exited with code 2") >= runs - 1, output[-3000:]
+    restarts = subprocess.run(["docker", "inspect", "-f", "{{.RestartCount}}", f"{clone.name}-trainer-cpu-1"],
+                              env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert restarts.stdout.strip() == str(runs - 1), (restarts.stdout, restarts.stderr)
     assert took < 10 * runs, f"{took:.0f} s for {runs} runs of a bad setting"
 
 
