@@ -40,12 +40,12 @@ from trainer.cluster.versions import check_same_versions, version_fingerprint
 from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, LIGHTHOUSE_ENV, TrainConfig,
                                      check_gpu_options, flag_name, script_settings)
 from trainer.core.errors import Diverged, Fenced, UsageError, exit_on_usage_error, print_error
-from trainer.data.augment import MixUpCutMix, mix_key
 from trainer.data.sampling import ResumableSampler
 from trainer.engine import ema as model_ema
 from trainer.engine import inplace
 from trainer.engine.ema import ModelEma
 from trainer.engine.microbatches import Counted
+from trainer.engine.recipe import Recipe
 from trainer.parallel import collectives
 from trainer.parallel.collectives import MainRankFailed
 from trainer.parallel.compat import private
@@ -97,6 +97,8 @@ class Run:
         import torch
 
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.settings.amp == "fp16")
+        # torchvision's reference recipe: clipping, mixup and cutmix.
+        self._recipe = Recipe(self.settings, self.observers, self.scaler)
         self.strategy: Strategy | None = None
         self.position = Position()
         self.stopped = False
@@ -116,11 +118,8 @@ class Run:
         self._ended_elsewhere = False  # in place: hosts that left committed the last step before this one's quorum
         self._epoch_count: int | None = None  # run.epochs()'s, while it runs
         self._finished: int | None = None
-        # torchvision's reference recipe: the average of --model-ema (made in resume()), mixup and cutmix.
+        # The average of --model-ema (made in resume()).
         self.ema: ModelEma | None = None
-        self._mixer: MixUpCutMix | None = None
-        self._mixed = 0         # run.mixup_cutmix() calls in this step: each micro-batch's own draw
-        self._clipped = False   # run.clip_gradients() was called in this step
         self._step_committed: bool | None = None  # in-place recovery: this step's gradients summed and committed
         if self._inplace is not None:
             self.observers.writes = self._inplace.writes
@@ -324,11 +323,9 @@ class Run:
         gradients cleared, the LR schedule advanced."""
         if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: it is taken again
             optimizer.zero_grad(set_to_none=True)
-            self._mixed, self._clipped = 0, False  # taken again: the same mixes
+            self._recipe.step_abandoned()  # taken again: the same mixes
             return
-        if self.settings.clip_grad_norm and not self._clipped:
-            self.clip_gradients(optimizer)
-        self._clipped = False
+        self._recipe.clip_before_step(optimizer)
         self.scaler.step(optimizer)
         self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -354,15 +351,9 @@ class Run:
         call it yourself before your own optimizer.step()."""
         import torch
 
-        from trainer.engine.optim import clip_gradients
-
         if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: nothing to clip
             return torch.zeros((), device=self.device)
-        self.scaler.unscale_(optimizer)
-        norm = clip_gradients(optimizer, max_norm if max_norm is not None else self.settings.clip_grad_norm)
-        self.observers.record_grad_norm(norm)
-        self._clipped = True
-        return norm
+        return self._recipe.clip_gradients(optimizer, max_norm)
 
     def mixup_cutmix(self, inputs, targets, num_classes: int):
         """A training batch mixed as mixup_alpha and cutmix_alpha say (torchvision.transforms.v2.MixUp and CutMix,
@@ -370,22 +361,8 @@ class Run:
         probabilities (N x num_classes), which cross-entropy takes. The draws come from a generator seeded by (seed,
         epoch, micro-batch, rank), so a resumed run mixes as the uninterrupted one did; the mixing runs where the
         batch is (the GPU's memory for a GPU-resident batch). Call it once per micro-batch, before the forward."""
-        if not (self.settings.mixup_alpha or self.settings.cutmix_alpha):
-            return inputs, targets
-        if self._mixer is None or self._mixer.num_classes != num_classes:
-            self._mixer = MixUpCutMix(self.settings.mixup_alpha, self.settings.cutmix_alpha, num_classes)
-        micro, rank = self._mixed, self.rank
-        if self._inplace is not None:  # a step's micro-batches are grad_accum of each share in turn (inplace.steps)
-            share, micro = divmod(self._mixed, self.settings.grad_accum)
-            rank = self._inplace.shares[share] if share < len(self._inplace.shares) else rank
-        key = mix_key(self.settings.seed, self.position.epoch, self.position.batch + micro, rank)
-        self._mixed += 1
-        mixed, soft = self._mixer(inputs, targets, key)
-        if self.settings.channels_last and mixed.ndim == 4:  # MixUp's roll makes a contiguous tensor
-            import torch
-
-            mixed = mixed.contiguous(memory_format=torch.channels_last)
-        return mixed, soft
+        return self._recipe.mixup_cutmix(inputs, targets, num_classes, self.position, self.rank,
+                                         self._inplace.shares if self._inplace is not None else None)
 
     def no_sync(self, last_micro_batch: bool):
         """Around a micro-batch's forward and backward when you accumulate by hand: no gradient exchange unless it
@@ -655,7 +632,7 @@ class Run:
         self._supervised.step_done()
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
-        self._mixed, self._clipped = 0, False  # a new step: its own mixes, its own clipping
+        self._recipe.step_ended()  # a new step: its own mixes, its own clipping
         if self.ema is not None:  # before the checkpoint of this step
             self.ema.after_step(step)
         if self._local_sgd is not None:
