@@ -1,7 +1,7 @@
 """--model-ema: an exponential moving average of the model's weights, torchvision's reference recipe on
 torch.optim.swa_utils.AveragedModel.
 
-    ema = ModelEma(model, settings, samples_per_step, warmup_steps)   # run.ema: Run builds it in resume()
+    ema = ModelEma(model, decay, every, warmup_steps)                   # run.ema: run.resume() builds it (Recipe)
     ...after optimizer step N:  ema.after_step(N)                       # run.steps() / run.step() call it
     evaluate(run, ema.module, val_batches)                              # the average, as a model
 

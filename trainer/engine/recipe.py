@@ -1,30 +1,43 @@
 """Recipe: torchvision's reference recipe around a run's steps, for the built-in loop and scripts alike (Run holds
-one and its public methods delegate to it: run.clip_gradients(), run.mixup_cutmix()).
+one and its public methods delegate to it: run.clip_gradients(), run.mixup_cutmix(), run.ema).
 
 - clip_grad_norm: the gradients clipped inline before the optimizer step, after the scaler's unscale_ (nanoGPT's
   order), the norm before clipping logged as Grad/norm;
 - mixup_alpha, cutmix_alpha: each micro-batch mixed with a draw of its own, keyed by (seed, epoch, micro-batch,
-  rank) so that a resumed run (or a step taken again in place) mixes as the uninterrupted one did.
+  rank) so that a resumed run (or a step taken again in place) mixes as the uninterrupted one did;
+- model_ema: the average of the weights (trainer.engine.ema), in every checkpoint under "model_ema".
 
-What the recipe does not know (the position, the rank, in-place recovery's shares and commit) Run gives it at
-each call.
+What the recipe does not know (the position, the rank, in-place recovery's shares and commit, the run's length)
+Run gives it at each call.
 """
 
 from __future__ import annotations
 
-from trainer.checkpoint.state import Position
+import logging
+from typing import Any, Callable
+
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.state import Position, Registered
 from trainer.config.settings import TrainConfig
+from trainer.core.errors import UsageError
 from trainer.data.augment import MixUpCutMix, mix_key
+from trainer.engine import ema as model_ema
 from trainer.engine import optim
+from trainer.engine.ema import ModelEma
 from trainer.observe.observers import Observers
+
+log = logging.getLogger("trainer")
 
 
 class Recipe:
-    """Clipping, mixup and cutmix, for one run."""
+    """Clipping, mixup and cutmix, and the average of the weights, for one run. `label`: a setting as the run's user
+    wrote it (a flag or a keyword argument), for the messages."""
 
-    def __init__(self, settings: TrainConfig, observers: Observers, scaler):
-        self.settings = settings
-        self._observers, self._scaler = observers, scaler
+    def __init__(self, settings: TrainConfig, label: Callable[[str], str], observers: Observers, scaler,
+                 checkpointer: Checkpointer):
+        self.settings, self._label = settings, label
+        self._observers, self._scaler, self._checkpointer = observers, scaler, checkpointer
+        self.ema: ModelEma | None = None  # the average of model_ema (made in attach_ema(), from run.resume())
         self._mixer: MixUpCutMix | None = None
         self._mixed = 0         # mixup_cutmix() calls in this step: each micro-batch's own draw
         self._clipped = False   # clip_gradients() was called in this step
@@ -69,10 +82,62 @@ class Recipe:
         return mixed, soft
 
     # ------------------------------------------------------------------ the step's end
-    def step_ended(self) -> None:
-        """An optimizer step is done: the next one has its own mixes and its own clipping."""
-        self._mixed, self._clipped = 0, False
+    def step_ended(self, step: int) -> None:
+        """Optimizer step `step` (counted from 1) is done, before its checkpoint: the average updated at its
+        cadence."""
+        self._mixed, self._clipped = 0, False  # a new step: its own mixes, its own clipping
+        if self.ema is not None:  # before the checkpoint of this step
+            self.ema.after_step(step)
 
     def step_abandoned(self) -> None:
         """In-place recovery abandoned the step: it is taken again, with the same mixes."""
         self._mixed, self._clipped = 0, False
+
+    # ------------------------------------------------------------------ the average of the weights
+    def attach_ema(self, objects: dict[str, Any], model) -> bool:
+        """model_ema: the average of the model (run.ema), registered as model_ema where the checkpoint resumed holds
+        one (or there is none); True: it holds none, and the average starts from its weights once resumed. Off: an
+        average the checkpoint holds is carried along untouched into this run's checkpoints. `model`: the one
+        run.wrap() was given, else the one module of `objects`."""
+        found = self._checkpointer.resume_point
+        saved = found.names if found is not None else ()
+        if model_ema.NAME in objects and (self.settings.model_ema or model_ema.NAME in saved):
+            raise UsageError("resume()", f"'{model_ema.NAME}' is the name of the {self._label('model_ema')} "
+                             "average in a checkpoint", "register your object under another name")
+        if not self.settings.model_ema:
+            if model_ema.NAME in saved:
+                objects[model_ema.NAME] = model_ema.KeptState()
+            return False
+        model = model if model is not None else Registered(objects).model
+        if model is None:
+            raise UsageError(self._label("model_ema"), "averages one model, and resume() registers "
+                             f"{len(Registered(objects).modules)} modules", "register one model, or drop it")
+        self.ema = ModelEma(model, self.settings.model_ema_decay, self.settings.model_ema_steps, 0)
+        if found is None or model_ema.NAME in saved:
+            objects[model_ema.NAME] = self.ema
+            return False
+        return True
+
+    def start_ema_from_weights(self, objects: dict[str, Any]) -> None:
+        """A checkpoint without an average (attach_ema() said so): it starts from the weights just resumed, and is
+        in every checkpoint from now on."""
+        self.ema.start_from_model()
+        self._checkpointer.register({**objects, model_ema.NAME: self.ema}, "resume()")
+        log.info("%s: %s holds no average of the weights: it starts from the weights resumed",
+                 self._label("model_ema"), self._checkpointer.resumed_path)
+
+    def tune_ema(self, batch_size: int | None, world: int, epochs: int | None, total_steps: int | None) -> None:
+        """The average's decay and warm-up, once the global batch, the epochs and the run's length are known (a
+        script may give them after resume(): run.sampler(), run.epochs(N)); None: the settings' batch size and
+        epochs. Nothing without model_ema."""
+        if self.ema is None:
+            return
+        cfg = self.settings
+        global_batch = (batch_size or cfg.batch_size) * world * cfg.grad_accum
+        epochs = epochs if epochs is not None else cfg.epochs
+        self.ema.set_decay(model_ema.adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, epochs))
+        self.ema.warmup_steps = optim.warmup_length(cfg, total_steps or 0)
+        log.info("%s: an average of the weights every %d steps, decay %.6g (%g adjusted for a global batch of %d over "
+                 "%d epochs); the first %d steps (the warm-up) copy the weights", self._label("model_ema"),
+                 cfg.model_ema_steps, self.ema.decay, cfg.model_ema_decay, global_batch, epochs,
+                 self.ema.warmup_steps)

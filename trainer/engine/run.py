@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
 from trainer.checkpoint.claim import Ended, check_ended, record_end
-from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position, Registered
+from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position
 from trainer.checkpoint.store import CheckpointError
 from trainer.cluster.topology import WORKER, Topology, resolve
 from trainer.cluster.versions import check_same_versions, version_fingerprint
@@ -41,7 +41,6 @@ from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, LIGHTHO
                                      check_gpu_options, flag_name, script_settings)
 from trainer.core.errors import Diverged, Fenced, UsageError, exit_on_usage_error, print_error
 from trainer.data.sampling import ResumableSampler
-from trainer.engine import ema as model_ema
 from trainer.engine import inplace
 from trainer.engine.ema import ModelEma
 from trainer.engine.microbatches import Counted
@@ -97,8 +96,8 @@ class Run:
         import torch
 
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.settings.amp == "fp16")
-        # torchvision's reference recipe: clipping, mixup and cutmix.
-        self._recipe = Recipe(self.settings, self.observers, self.scaler)
+        # torchvision's reference recipe: clipping, mixup and cutmix, the average of model_ema (made in resume()).
+        self._recipe = Recipe(self.settings, self._label, self.observers, self.scaler, self.checkpointer)
         self.strategy: Strategy | None = None
         self.position = Position()
         self.stopped = False
@@ -118,8 +117,6 @@ class Run:
         self._ended_elsewhere = False  # in place: hosts that left committed the last step before this one's quorum
         self._epoch_count: int | None = None  # run.epochs()'s, while it runs
         self._finished: int | None = None
-        # The average of --model-ema (made in resume()).
-        self.ema: ModelEma | None = None
         self._step_committed: bool | None = None  # in-place recovery: this step's gradients summed and committed
         if self._inplace is not None:
             self.observers.writes = self._inplace.writes
@@ -364,6 +361,11 @@ class Run:
         return self._recipe.mixup_cutmix(inputs, targets, num_classes, self.position, self.rank,
                                          self._inplace.shares if self._inplace is not None else None)
 
+    @property
+    def ema(self) -> ModelEma | None:
+        """With model_ema: the average of the model (its .module an AveragedModel), made by resume(); else None."""
+        return self._recipe.ema
+
     def no_sync(self, last_micro_batch: bool):
         """Around a micro-batch's forward and backward when you accumulate by hand: no gradient exchange unless it
         is the step's last (run.steps() does this for you)."""
@@ -433,7 +435,7 @@ class Run:
             if self.settings.amp == "fp16" and "scaler" not in objects and self.scaler.is_enabled():
                 objects["scaler"] = self.scaler
             self._check_order(objects)
-            ema_from_weights = self._attach_ema(objects)
+            ema_from_weights = self._recipe.attach_ema(objects, self._model)
             registered = self.checkpointer.register(objects, "resume()")
             self._check_changed_settings(point)
         with exit_on_usage_error():
@@ -447,10 +449,7 @@ class Run:
             self._optimizers = list(registered.optimizers.values())
             position = self.checkpointer.restore()
         if ema_from_weights:  # a checkpoint without an average: it starts from the weights just resumed
-            self.ema.start_from_model()
-            self.checkpointer.register({**objects, model_ema.NAME: self.ema}, "resume()")
-            log.info("%s: %s holds no average of the weights: it starts from the weights resumed",
-                     self._label("model_ema"), self.checkpointer.resumed_path)
+            self._recipe.start_ema_from_weights(objects)
         if position is not None:
             self.position = position
             self.resumed_from = position.step
@@ -490,29 +489,6 @@ class Run:
         if changes:
             log.info("settings changed since %s, applied: %s (the schedule goes on from step %d with them)",
                      point.path.name, ", ".join(changes), self.position.step)
-
-    def _attach_ema(self, objects: dict[str, Any]) -> bool:
-        """model_ema: the average of the model (run.ema), registered as model_ema where the checkpoint resumed holds
-        one (or there is none); True: it holds none, and the average starts from its weights once resumed. Off: an
-        average the checkpoint holds is carried along untouched into this run's checkpoints."""
-        found = self.checkpointer.resume_point
-        saved = found.names if found is not None else ()
-        if model_ema.NAME in objects and (self.settings.model_ema or model_ema.NAME in saved):
-            raise UsageError("resume()", f"'{model_ema.NAME}' is the name of the {self._label('model_ema')} "
-                             "average in a checkpoint", "register your object under another name")
-        if not self.settings.model_ema:
-            if model_ema.NAME in saved:
-                objects[model_ema.NAME] = model_ema.KeptState()
-            return False
-        model = self._model if self._model is not None else Registered(objects).model
-        if model is None:
-            raise UsageError(self._label("model_ema"), "averages one model, and resume() registers "
-                             f"{len(Registered(objects).modules)} modules", "register one model, or drop it")
-        self.ema = ModelEma(model, self.settings.model_ema_decay, self.settings.model_ema_steps, 0)
-        if found is None or model_ema.NAME in saved:
-            objects[model_ema.NAME] = self.ema
-            return False
-        return True
 
     def _check_order(self, objects: dict[str, Any]) -> None:
         import torch
@@ -632,9 +608,7 @@ class Run:
         self._supervised.step_done()
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
-        self._recipe.step_ended()  # a new step: its own mixes, its own clipping
-        if self.ema is not None:  # before the checkpoint of this step
-            self.ema.after_step(step)
+        self._recipe.step_ended(step)  # a new step: its own mixes and clipping; the average, before the checkpoint
         if self._local_sgd is not None:
             self._local_sgd.after_step(step)
         lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
@@ -695,8 +669,9 @@ class Run:
         if self.resumed_from is not None:
             log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
                      self.position.step, self.position.epoch, self.position.batch)
-        if self.ema is not None:
-            self._tune_ema()
+        # In place every step trains the largest world's global batch, whatever the membership.
+        self._recipe.tune_ema(self._batch_size, self.world_size if self._inplace is None else self._inplace.largest,
+                              self._epochs, self.total_steps)
         names = self._workload_names()
         steps = "" if self.total_steps is None else f", {self.total_steps} steps" + (
             f", {self._steps_per_epoch} per epoch" if self._steps_per_epoch is not None else "")
@@ -709,23 +684,6 @@ class Run:
             log.info("elastic: world size %d of at most %s; %d samples per process per micro-batch keep the job's "
                      "global batch of %d", self.world_size, largest, self.settings.batch_size,
                      self.settings.global_batch_size)
-
-    def _tune_ema(self) -> None:
-        """The average's decay and warm-up, once the global batch, the epochs and the run's length are known (a
-        script may give them after resume(): run.sampler(), run.epochs(N))."""
-        from trainer.engine.optim import warmup_length
-
-        cfg = self.settings
-        # In place every step trains the largest world's global batch, whatever the membership.
-        world = self.world_size if self._inplace is None else self._inplace.largest
-        global_batch = (self._batch_size or cfg.batch_size) * world * cfg.grad_accum
-        epochs = self._epochs if self._epochs is not None else cfg.epochs
-        self.ema.set_decay(model_ema.adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, epochs))
-        self.ema.warmup_steps = warmup_length(cfg, self.total_steps or 0)
-        log.info("%s: an average of the weights every %d steps, decay %.6g (%g adjusted for a global batch of %d over "
-                 "%d epochs); the first %d steps (the warm-up) copy the weights", self._label("model_ema"),
-                 cfg.model_ema_steps, self.ema.decay, cfg.model_ema_decay, global_batch, epochs,
-                 self.ema.warmup_steps)
 
     def _workload_names(self) -> tuple[str, str | None]:
         """(model, dataset) as summary.json names them: the settings' for the built-in loop, the classes' for a
