@@ -54,7 +54,7 @@ def test_the_other_guards_take_their_public_path():
 import torch, torchvision
 from trainer.data.datasets import cifar10_class
 from trainer.parallel.strategy import bf16_policy
-from trainer.engine.run import cpu_has_bf16
+from trainer.engine.process import cpu_has_bf16
 model = torchvision.models.resnet18()
 policy, units = bf16_policy(model, per_parameter=False)
 assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32

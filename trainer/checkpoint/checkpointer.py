@@ -78,11 +78,18 @@ class Checkpointer:
     def __init__(self, ctx: DistContext, directory: str, keep: int, every: int, resume: str, sharded: bool,
                  door: str, labels: Labels, background: bool = False,
                  where: Callable[[], tuple[Position, int, dict[str, Any]]] | None = None,
-                 paused: Callable[[], ContextManager] = contextlib.nullcontext):
+                 paused: Callable[[], ContextManager] = contextlib.nullcontext,
+                 writes: Callable[[], bool] = lambda: True, staging: Callable[[], Path | None] = lambda: None,
+                 fence: Callable[[], None] | None = None, job: str | None = None):
         """where: the run's moment as a checkpoint records it (its position, one micro-batch over all ranks, its
-        settings), for the commits this checkpointer decides on; paused: around a commit, out of samples/s."""
+        settings), for the commits this checkpointer decides on; paused: around a commit, out of samples/s.
+        In-place recovery: hosts hold the same state, and one writes it (writes: the first of the generation, which
+        may change with every membership). staging: the folder of the generation of the state being written, which a
+        commit must still find (store.save); fence, once a commit did not: trainer.core.errors.Fenced for a host the
+        job went on without; job: the job whose hosts hold the directory together."""
         self.ctx, self.directory, self.keep, self.every = ctx, Path(directory), keep, every
         self.where, self.paused = where, paused
+        self.writes, self.staging, self.fence, self.job = writes, staging, fence, job
         self.sharded, self.door, self.labels, self.resume = sharded, door, labels, resume
         self.objects: Registered | None = None
         self.built: dict[str, Any] = {}  # the optimizers' and schedulers' settings as this run built them
@@ -107,14 +114,6 @@ class Checkpointer:
         self._superseded: int | None = None  # the step of a background write whose generation ended first (in place)
         self._copy: Any = None  # rank 0's CPU copy of the last background checkpoint, reused by the next
         self.before_commit: list[Callable[[], None]] = []  # e.g. local SGD: make every rank's state rank 0's
-        # In-place recovery: hosts hold the same state, and one writes it (the first of the generation, which may
-        # change with every membership). staging: the folder of the generation of the state being written, which a
-        # commit must still find (store.save); fence, once a commit did not: trainer.core.errors.Fenced for a host the
-        # job went on without.
-        self.writes: Callable[[], bool] = lambda: True
-        self.staging: Callable[[], Path | None] = lambda: None
-        self.fence: Callable[[], None] | None = None
-        self.job: str | None = None  # in-place recovery: the job whose hosts hold the directory together
         self._claimed: list = []
         self.saved_position: dict[str, int] | None = None  # what the checkpoint resumed from said
         self.resumed_path: Path | None = None

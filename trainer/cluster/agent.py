@@ -343,26 +343,32 @@ def run(launch, program: list[str]) -> int:
             if spec is not None:
                 with contextlib.suppress(Exception):  # closes an elastic rendezvous: the other hosts end too
                     spec.rdzv_handler.shutdown()
-        if result is None:  # torch's RendezvousGracefulExitError: another host's agent closed the rendezvous
-            print_error("training failed: the rendezvous was closed by another host (its log says why)")
+        return finished(result, job, beat, dog, folder)
+
+
+def finished(result, job: Job, beat, dog, folder: Path) -> int:
+    """The verdict on the agent's result, once its workers ended (folder: theirs, still there)."""
+    topology, settings = job.topology, job.settings
+    if result is None:  # torch's RendezvousGracefulExitError: another host's agent closed the rendezvous
+        print_error("training failed: the rendezvous was closed by another host (its log says why)")
+        return 1
+    if result.is_failed():
+        if dog is not None and dog.fired:  # the agent saw the killed workers before the stop
+            end_presence(beat, job, "failed", failed=False)
+            print_error(dog.fired)
             return 1
-        if result.is_failed():
-            if dog is not None and dog.fired:  # the agent saw the killed workers before the stop
-                end_presence(beat, job, "failed", failed=False)
-                print_error(dog.fired)
-                return 1
-            ended = frozenset(w.rank for w in workers.read_workers(folder) if w.exit == 0)
-            message, code = describe_child_failure(result.failures, end_presence(beat, job, "failed", True), ended,
-                                                   job.named)
-            print_error(message)
-            return code
-        if job.barrier_ran_out():
-            gone = (beat.verdict() if beat is not None else None) or "another host did not finish"
-            say(f"warning: {gone}; this host's workers finished, and it stopped waiting for the other hosts after "
-                f"STOP_GRACE_PERIOD ({settings.stop_grace:g} s)")
-        alone = workers.trained_alone(workers.read_workers(folder), topology.world_size)
-        if alone is not None:
-            say(alone)
+        ended = frozenset(w.rank for w in workers.read_workers(folder) if w.exit == 0)
+        message, code = describe_child_failure(result.failures, end_presence(beat, job, "failed", True), ended,
+                                               job.named)
+        print_error(message)
+        return code
+    if job.barrier_ran_out():
+        gone = (beat.verdict() if beat is not None else None) or "another host did not finish"
+        say(f"warning: {gone}; this host's workers finished, and it stopped waiting for the other hosts after "
+            f"STOP_GRACE_PERIOD ({settings.stop_grace:g} s)")
+    alone = workers.trained_alone(workers.read_workers(folder), topology.world_size)
+    if alone is not None:
+        say(alone)
     return 0
 
 

@@ -48,7 +48,7 @@ import time
 from collections import OrderedDict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 from trainer.checkpoint.claim import forget_end
 from trainer.checkpoint.store import (
@@ -89,14 +89,16 @@ class InPlace:
     """One process's part in the replica groups (see the module's docstring). `state()` and `load(state)` are the
     run's: the checkpoint dict at the current position, and putting one back (Run provides them)."""
 
-    def __init__(self, ctx: DistContext, env, collective_timeout_s: float, checkpoint_dir: str,
+    def __init__(self, ctx: DistContext, env, collective_timeout_s: float, checkpoint_dir: str, job: str, label: str,
                  state: Callable[[], dict], load: Callable[[dict], None], newer: Callable[[], int | None]):
+        """job: the job's name (its hosts hold the checkpoint directory together); label: the checkpoint directory's
+        setting as the run's user names it."""
         self.ctx, self.state, self.load, self.newer = ctx, state, load, newer
+        self.job, self.label = job, label
         self.largest = int(env[INPLACE_WORLD_ENV])
         self.lighthouse = env[LIGHTHOUSE_ENV].strip()
         self.directory = Path(checkpoint_dir)
         self.generation_file = self.directory / GENERATION_FILE
-        self.label = "--checkpoint-dir"  # the setting as the run's user names it (Run sets it)
         self.quorum: tuple[int, int, int] | None = None  # (generation, replica rank, replicas) this process is in
         self.shares: list[int] = []
         self.healed = False       # this step began with the state of a peer
@@ -106,7 +108,7 @@ class InPlace:
         self.lost_at: float | None = None
         self.step_began = time.perf_counter()
         self._took_over = False
-        self.chain: BufferChain | None = None  # the model's buffers, on share 0's chain (steps() sets it)
+        self.chain: BufferChain | None = None  # the model's buffers, on share 0's chain (Run.wrap() sets it)
         timeout = timedelta(seconds=collective_timeout_s)
         # torchft's Rust side logs every quorum and commit at INFO, and its Python side a traceback for every error
         # it handles (a lost peer is one): this module's lines say what happened, once.
@@ -586,58 +588,6 @@ def said(err: BaseException) -> str:
 
 class QuorumFailed(Exception):
     """The lighthouse went away, or a quorum never formed (fewer hosts than the job's fewest for too long)."""
-
-
-def steps(run, batches: Iterable) -> Iterator[Iterator]:
-    """run.steps() under in-place recovery: each step begins with the quorum; this rank's micro-batches are those of
-    the shares it trains now (grad_accum per share, the last one synchronised with the host's other processes); an
-    abandoned step is taken again from the same position at the new membership, and the batches are read again
-    from there (a DataLoader's persistent workers stay: a new iterator of it reuses them)."""
-    from trainer.data.sampling import ResumableSampler
-    from trainer.engine.microbatches import Counted
-
-    replicas = run._inplace
-    sampler = getattr(batches, "sampler", None)
-    if not isinstance(sampler, ResumableSampler) or sampler.world_size != replicas.largest or iter(batches) is batches:
-        with run._once():
-            raise UsageError("run.steps()", "under in-place recovery it reads the batches again after a host comes or "
-                             "goes, and these are not a DataLoader on run.sampler()'s order", "give run.steps() the "
-                             "DataLoader made with sampler=run.sampler(dataset, batch_size), or set RECOVERY=restart")
-    accum = run.settings.grad_accum
-    replicas.chain = BufferChain.of(run._model)
-    per_epoch = sampler.batches_per_epoch if sampler.stop_batch is None else \
-        min(sampler.stop_batch, sampler.batches_per_epoch)
-    per_epoch //= accum
-    samples = sampler.batch_size * accum * replicas.largest  # every step trains the largest world's global batch
-    source = None
-    while not run._ended and run.position.batch // accum < per_epoch:
-        if replicas.begin_step() or source is None:
-            if run._ended:  # the newest checkpoint is the job's end: it finished without this host
-                return
-            sampler.train_shares(replicas.shares, accum)
-            sampler.set_epoch(run.position.epoch, run.position.batch, sampler.stop_batch)
-            source = iter(run.observers.batches(batches))
-        micro = accum * len(replicas.shares)
-        first = next(source, None)
-        if first is None:
-            return
-        counted = Counted(first, source, micro, run.no_sync if replicas.chain is None else
-                          replicas.chain.micro_batches(run.no_sync, replicas.shares, accum))
-        run._step_committed = None
-        yield iter(counted)
-        committed, run._step_committed = run._step_committed, None
-        if committed is None:
-            with run._once():
-                raise UsageError("run.steps()", "a step ended without run.optimizer_step(optimizer), which under "
-                                 "in-place recovery sums the gradients over the hosts", "call run.optimizer_step("
-                                 "optimizer) once per step, after the backward passes")
-        if not committed:
-            source = None  # the step again, from the same position, with the hosts still here
-            continue
-        replicas.recovered(run.position.step + 1)
-        done = run.position.batch // accum + 1 == per_epoch
-        if run._after_step(accum, samples, epoch_done=done, scalars={}):
-            return
 
 
 class BufferChain:

@@ -69,7 +69,7 @@ class Recipe:
         if self._mixer is None or self._mixer.num_classes != num_classes:
             self._mixer = MixUpCutMix(self.settings.mixup_alpha, self.settings.cutmix_alpha, num_classes)
         micro = self._mixed
-        if shares is not None:  # a step's micro-batches are grad_accum of each share in turn (inplace.steps)
+        if shares is not None:  # a step's micro-batches are grad_accum of each share in turn (drivers.InPlace)
             share, micro = divmod(self._mixed, self.settings.grad_accum)
             rank = shares[share] if share < len(shares) else rank
         key = mix_key(self.settings.seed, position.epoch, position.batch + micro, rank)

@@ -25,38 +25,32 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from trainer.checkpoint.checkpointer import Checkpointer, Labels, ResumePoint
-from trainer.checkpoint.claim import Ended, check_ended, record_end
+from trainer.checkpoint.claim import record_end
 from trainer.checkpoint.state import BUILT_IN, SCRIPT, Position
-from trainer.checkpoint.store import CheckpointError
-from trainer.cluster.topology import WORKER, Topology, resolve
-from trainer.cluster.versions import check_same_versions, version_fingerprint
-from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, LIGHTHOUSE_ENV, TrainConfig,
-                                     check_gpu_options, flag_name, script_settings)
-from trainer.core.errors import Diverged, Fenced, UsageError, exit_on_usage_error, print_error
+from trainer.cluster.topology import WORKER, resolve
+from trainer.config.settings import ELASTIC_WORLD_ENV, TrainConfig, flag_name, script_settings
+from trainer.core.errors import UsageError, exit_on_usage_error
 from trainer.data.sampling import ResumableSampler
 from trainer.engine import inplace
+from trainer.engine.drivers import Source, driver_for, leave_if_ended
 from trainer.engine.ema import ModelEma
-from trainer.engine.microbatches import Counted
+from trainer.engine.process import check_same_software, exit_for, for_this_device, join
 from trainer.engine.recipe import Recipe
+from trainer.engine.resuming import check_changed_settings, check_order, say_changed_settings
 from trainer.parallel import collectives
-from trainer.parallel.collectives import MainRankFailed
-from trainer.parallel.compat import private
-from trainer.parallel.context import DistContext, collective_failure, rendezvous_failure, setup, teardown
-from trainer.parallel.supervised import Supervised, peer_failed_first, stuck_peers
-from trainer.parallel.strategy import FSDPStrategy, Strategy, for_run, is_sharded, weights_are_finite
+from trainer.parallel.context import teardown
+from trainer.parallel.supervised import Supervised
+from trainer.parallel.strategy import Strategy, for_run, weights_are_finite
 from trainer.observe.metrics import setup_logging
 from trainer.observe.observers import Observers
 
 log = logging.getLogger("trainer")
-# One line and exit 1: the run's own failures.
-RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed, Fenced, inplace.QuorumFailed)
 
 
 class Run:
@@ -79,17 +73,20 @@ class Run:
             if config is None:
                 config = script_settings({"checkpoint_dir": checkpoint_dir, "log_dir": log_dir, **settings},
                                          os.environ, largest or topology.world_size)
-        self.ctx = self._join(topology, config, self._label("collective_timeout"))
+        self.ctx = join(topology, config, self._label("collective_timeout"))
         try:
             if self.door == BUILT_IN or not logging.getLogger().handlers:  # a script's own logging setup stays
                 setup_logging(self.ctx)
             with exit_on_usage_error():
-                self.settings = self._for_this_device(config)
+                self.settings = for_this_device(config, self.ctx, self._label)
                 check_same_software(self.ctx)
-                self.observers = Observers(self.settings, self.ctx, self.started)
-                self.checkpointer = self._new_checkpointer()
+            # The way of training (its driver owns the step boundary and who is in the job), then what it serves.
             with exit_on_usage_error(silent=not self.ctx.is_local_main):
-                self._inplace = self._join_replicas() if largest is not None else None
+                self._driver = driver_for(self.ctx, self.settings, os.environ, self._label, state=self._replica_state,
+                                          load=self._from_replica, newer=self._from_newer_checkpoint)
+            with exit_on_usage_error():
+                self.observers = Observers(self.settings, self.ctx, self.started, self._driver.members.writes)
+                self.checkpointer = self._new_checkpointer()
         except BaseException:
             teardown(self.ctx)
             raise
@@ -102,7 +99,7 @@ class Run:
         self.position = Position()
         self.stopped = False
         self.resumed_from: int | None = None
-        self._model = self._wrapped = self._local_sgd = None
+        self._model = self._wrapped = None
         self._optimizers: list = []
         self._sampler: ResumableSampler | None = None
         self._batch_size: int | None = self.settings.batch_size if self.door == BUILT_IN else None
@@ -117,9 +114,6 @@ class Run:
         self._ended_elsewhere = False  # in place: hosts that left committed the last step before this one's quorum
         self._epoch_count: int | None = None  # run.epochs()'s, while it runs
         self._finished: int | None = None
-        self._step_committed: bool | None = None  # in-place recovery: this step's gradients summed and committed
-        if self._inplace is not None:
-            self.observers.writes = self._inplace.writes
 
     # ------------------------------------------------------------------ joining
     def _new_checkpointer(self) -> Checkpointer:
@@ -131,56 +125,12 @@ class Run:
                                                   "try bf16")
         return Checkpointer(self.ctx, cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.checkpoint_every, cfg.resume,
                             cfg.strategy == "fsdp", self.door, labels, cfg.checkpoint_async, where=self._where,
-                            paused=self.observers.paused)
+                            paused=self.observers.paused, **self._driver.checkpoint_hooks())
 
     def _label(self, name: str) -> str:
         """A setting as this run's user wrote it: a flag (--collective-timeout) for the built-in loop, a keyword
         argument (collective_timeout) for a script."""
         return flag_name(name) if self.door == BUILT_IN else name
-
-    @staticmethod
-    def _join(topology: Topology, config: TrainConfig, timeout_setting: str) -> DistContext:
-        try:
-            with exit_on_usage_error():
-                return setup(topology, config.backend, config.collective_timeout)
-        except SystemExit:
-            raise
-        except Exception as err:
-            message = rendezvous_failure(topology, err, timeout_setting, config.collective_timeout)
-            if message is None:
-                raise
-            print_error(message)
-            raise SystemExit(1) from None
-
-    def _join_replicas(self) -> "inplace.InPlace":
-        """In-place recovery (trainer-launch chose it): this host's group joins the others through the lighthouse."""
-        cfg = self.settings
-        if cfg.strategy == "fsdp" or cfg.local_sgd_period:
-            what = "strategy fsdp shards the model" if cfg.strategy == "fsdp" else \
-                "local_sgd_period averages the models now and then"
-            raise UsageError(self._label("strategy" if cfg.strategy == "fsdp" else "local_sgd_period"),
-                             f"{what}, and in-place recovery replicates whole models, summing gradients every step",
-                             "set RECOVERY=restart for this job (trainer-launch then restarts the workers on a change)")
-        self.checkpointer.job = os.environ.get(INPLACE_JOB_ENV, "").strip() or os.environ[LIGHTHOUSE_ENV].strip()
-        try:
-            replicas = inplace.InPlace(self.ctx, os.environ, cfg.collective_timeout, cfg.checkpoint_dir,
-                                       self._replica_state, self._from_replica, self._from_newer_checkpoint)
-        except UsageError:  # no lighthouse: the job may have ended as this host started
-            self._if_the_job_ended()
-            raise
-        self.checkpointer.writes, self.checkpointer.fence = replicas.writes, replicas.fence
-        self.checkpointer.staging, replicas.label = replicas.staging, self._label("checkpoint_dir")
-        return replicas
-
-    def _if_the_job_ended(self) -> None:
-        """In place, the lighthouse gone: where the checkpoint directory says the job trained to its end with these
-        settings, this host (started as it ended) leaves with one line, exit 0, having trained and written nothing."""
-        try:
-            check_ended(self.checkpointer.directory, self.checkpointer.job, self.settings.as_dict())
-        except Ended as ended:
-            if self.ctx.is_local_main:
-                log.info("%s", ended)
-            raise SystemExit(0) from None
 
     def _where(self) -> tuple[Position, int, dict[str, Any]]:
         """What a checkpoint records of this moment: the position, one micro-batch over all ranks, the settings."""
@@ -215,30 +165,13 @@ class Run:
         return (total is not None and self.position.step >= total) or \
             (self._epoch_count is not None and self.position.epoch >= self._epoch_count)
 
-    def _for_this_device(self, config: TrainConfig) -> TrainConfig:
-        """amp as this device runs it, decided once (the optimizer and the checkpoint follow it)."""
-        import torch
-
-        cuda = self.ctx.device.type == "cuda"
-        check_gpu_options(config.backend, config.sync_bn, cuda, self.ctx.world_size, self._label)
-        if cuda or config.amp == "off":
-            return config
-        amp = self._label("amp")
-        if config.amp == "fp16":  # its loss scaler is CUDA's
-            log.warning("%s fp16 applies to CUDA only; training in fp32 on the CPU (%s bf16 works on CPUs)", amp, amp)
-            return replace(config, amp="off")
-        if not cpu_has_bf16(torch):
-            log.warning("this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm BF16): %s bf16 will likely be "
-                        "slower than fp32 here", amp)
-        return config
-
     # ------------------------------------------------------------------ who does what
-    # In-place recovery: the job's ranks as of the latest quorum (before the first, this host's).
-    rank = property(lambda self: self.ctx.rank if self._inplace is None else self._inplace.rank)
+    # The job's members as its driver says (in-place recovery: as of the latest quorum; before the first, this host's).
+    rank = property(lambda self: self._driver.members.rank)
     local_rank = property(lambda self: self.ctx.topology.local_rank)
-    world_size = property(lambda self: self.ctx.world_size if self._inplace is None else self._inplace.world_size)
+    world_size = property(lambda self: self._driver.members.world_size)
     device = property(lambda self: self.ctx.device)
-    is_main = property(lambda self: self.ctx.is_main and (self._inplace is None or self._inplace.writes()))
+    is_main = property(lambda self: self.ctx.is_main and self._driver.members.writes())
     is_local_main = property(lambda self: self.ctx.is_local_main)
     distributed = property(lambda self: self.ctx.distributed)
     step_count = property(lambda self: self.position.step)
@@ -284,24 +217,9 @@ class Run:
         self._model = model
         if self._names[0] is None:
             self._names = (self._model_name, self._names[1])
-        forward = self._wrapped
-        if self.distributed and cfg.local_sgd_period:
-            forward = self._periodic_averaging().forward
-        return self.strategy.compiled(forward)
-
-    def _periodic_averaging(self):
-        from trainer.parallel.local_sgd import PeriodicAveraging
-        from trainer.engine.optim import warmup_length
-
-        total = self.total_steps
         with exit_on_usage_error():
-            if total is None and self.settings.warmup_steps < 0:
-                raise UsageError("local_sgd_period", "starts after the LR warm-up, whose length follows the run's "
-                                 "(unknown here)", "call run.plan(steps_per_epoch, epochs) before run.wrap(), or "
-                                 "give warmup_steps")
-        self._local_sgd = PeriodicAveraging(self.ctx, self._wrapped, None, self.settings.local_sgd_period,
-                                            warmup_length(self.settings, total or 0), self.position.step)
-        return self._local_sgd
+            forward = self._driver.forward(self._wrapped, self.position, self.total_steps, cfg)
+        return self.strategy.compiled(forward)
 
     def autocast(self):
         """The amp setting's autocast (bf16 or fp16) around a forward pass; nothing with amp off."""
@@ -318,7 +236,7 @@ class Run:
     def optimizer_step(self, optimizer, scheduler=None) -> None:
         """The optimizer step (through fp16's loss scaler; the gradients clipped first with clip_grad_norm),
         gradients cleared, the LR schedule advanced."""
-        if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: it is taken again
+        if not self._driver.commit(lambda: self._parameters(optimizer)):  # abandoned: it is taken again
             optimizer.zero_grad(set_to_none=True)
             self._recipe.step_abandoned()  # taken again: the same mixes
             return
@@ -331,14 +249,10 @@ class Run:
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
 
-    def _commit_in_place(self, optimizer) -> bool:
-        """In-place recovery: the step's gradients summed over the hosts, once per step and before any clipping (the
-        norm is the whole job's, as under one DistributedDataParallel); False: the step is abandoned."""
-        if self._step_committed is None:
-            params = self._model.parameters() if self._model is not None else \
-                [p for group in optimizer.param_groups for p in group["params"]]
-            self._step_committed = self._inplace.commit(params)
-        return self._step_committed
+    def _parameters(self, optimizer):
+        """What a step's gradients are combined for: the wrapped model's parameters, else the optimizer's."""
+        return self._model.parameters() if self._model is not None else \
+            [p for group in optimizer.param_groups for p in group["params"]]
 
     def clip_gradients(self, optimizer, max_norm: float | None = None):
         """Clip the gradients' total L2 norm to max_norm (default: the clip_grad_norm setting), as nanoGPT does:
@@ -348,7 +262,7 @@ class Run:
         call it yourself before your own optimizer.step()."""
         import torch
 
-        if self._inplace is not None and not self._commit_in_place(optimizer):  # abandoned: nothing to clip
+        if not self._driver.commit(lambda: self._parameters(optimizer)):  # abandoned: nothing to clip
             return torch.zeros((), device=self.device)
         return self._recipe.clip_gradients(optimizer, max_norm)
 
@@ -358,8 +272,7 @@ class Run:
         probabilities (N x num_classes), which cross-entropy takes. The draws come from a generator seeded by (seed,
         epoch, micro-batch, rank), so a resumed run mixes as the uninterrupted one did; the mixing runs where the
         batch is (the GPU's memory for a GPU-resident batch). Call it once per micro-batch, before the forward."""
-        return self._recipe.mixup_cutmix(inputs, targets, num_classes, self.position, self.rank,
-                                         self._inplace.shares if self._inplace is not None else None)
+        return self._recipe.mixup_cutmix(inputs, targets, num_classes, self.position, self.rank, self._driver.shares())
 
     @property
     def ema(self) -> ModelEma | None:
@@ -377,7 +290,7 @@ class Run:
         give DataLoader the same batch_size and drop_last=True."""
         size = dataset_or_size if isinstance(dataset_or_size, int) else len(dataset_or_size)
         # In-place recovery: the shards of the largest world; which of them this rank trains follows the quorum.
-        rank, world = (self.rank, self.world_size) if self._inplace is None else (0, self._inplace.largest)
+        rank, world = self._driver.sampler_place()
         with exit_on_usage_error():
             if size // world < batch_size:
                 raise UsageError("batch_size", f"{size} samples over {world} processes make no batch of "
@@ -434,17 +347,15 @@ class Run:
         with self._once():
             if self.settings.amp == "fp16" and "scaler" not in objects and self.scaler.is_enabled():
                 objects["scaler"] = self.scaler
-            self._check_order(objects)
+            check_order(objects, self.strategy, self.settings.strategy == "fsdp" and self.distributed, self._model)
             ema_from_weights = self._recipe.attach_ema(objects, self._model)
             registered = self.checkpointer.register(objects, "resume()")
-            self._check_changed_settings(point)
+            check_changed_settings(self.door, self.settings, point)
         with exit_on_usage_error():
             self.checkpointer.prepare(self.settings.log_dir)
-        if self._inplace is not None:  # before this host's first quorum: the job's settings, or none of its state
-            with exit_on_usage_error(silent=not self.ctx.is_local_main):
-                self._inplace.agree(inplace.fingerprint(self.settings.as_dict(), self.checkpointer.built,
-                                                        registered.modules), self.checkpointer.job_settings,
-                                    self._label)
+        with exit_on_usage_error(silent=not self.ctx.is_local_main):  # in place: the job's settings, or none of it
+            self._driver.joined(self.settings.as_dict(), self.checkpointer.built, registered.modules,
+                                self.checkpointer.job_settings, self._label)
         with exit_on_usage_error():
             self._optimizers = list(registered.optimizers.values())
             position = self.checkpointer.restore()
@@ -454,59 +365,10 @@ class Run:
             self.position = position
             self.resumed_from = position.step
             self._resize_position()
-            self._say_changed_settings(point)
+            say_changed_settings(self.door, self.settings, point, self.checkpointer.changed, self.position.step)
         self.observers.start(self.position.step, resumed=position is not None)
-        if self._inplace is not None:
-            self._inplace.set_step(self.position.step)
-        if self._local_sgd is not None:
-            self._local_sgd.optimizer = self._optimizers[0] if self._optimizers else None
-            self._local_sgd.step = self.position.step
-            self.checkpointer.before_commit.append(self._local_sgd.synchronise)
+        self._driver.resumed(self.position.step, self._optimizers, self.checkpointer.before_commit)
         return self.position.step
-
-    def _check_changed_settings(self, point: ResumePoint | None) -> None:
-        """The built-in loop's checkpoints before the record of what their run built cannot take a changed learning
-        rate, weight decay, momentum, schedule or warm-up: refused in one line, not ignored."""
-        from trainer.engine.optim import changed_settings
-
-        if self.door != BUILT_IN or point is None or point.records_built or point.door != BUILT_IN:
-            return
-        for name, old, new in changed_settings(self.settings, point.config):
-            raise UsageError(flag_name(name), f"{new} on resume, and {point.path} (written before a resume could "
-                             f"apply a changed setting) was trained with {old}",
-                             f"resume with {flag_name(name)} {old} until it commits a checkpoint, then change it; "
-                             "or start afresh in another --checkpoint-dir")
-
-    def _say_changed_settings(self, point: ResumePoint) -> None:
-        """One line naming the settings a resume applied over the checkpoint's (rank 0)."""
-        from trainer.engine.optim import changed_settings
-
-        if self.door == BUILT_IN and point.door == BUILT_IN:
-            changes = [f"{flag_name(name)} {old} -> {new}" for name, old, new in
-                       changed_settings(self.settings, point.config)]
-        else:  # each change once, though every parameter group of the optimizer has it
-            changes = list(dict.fromkeys(str(change) for change in self.checkpointer.changed))
-        if changes:
-            log.info("settings changed since %s, applied: %s (the schedule goes on from step %d with them)",
-                     point.path.name, ", ".join(changes), self.position.step)
-
-    def _check_order(self, objects: dict[str, Any]) -> None:
-        import torch
-
-        if not isinstance(self.strategy, FSDPStrategy) and not (self.settings.strategy == "fsdp" and self.distributed):
-            return
-        if self.strategy is None:
-            raise UsageError("resume()", "called before run.wrap(model), and strategy fsdp shards the model in place",
-                             "call run.wrap(model) first, then build the optimizer, then run.resume(...)")
-        if not is_sharded(self._model):
-            return
-        held = {id(p) for p in self._model.parameters()}
-        for name, obj in objects.items():
-            if isinstance(obj, torch.optim.Optimizer) and any(id(p) not in held for g in obj.param_groups
-                                                             for p in g["params"]):
-                raise UsageError("resume()", f"{name} was built before run.wrap(model): fsdp replaced the model's "
-                                 "parameters by their shards, so it would train copies nobody uses",
-                                 "build the optimizer after run.wrap(model)")
 
     def _resize_position(self) -> None:
         """The checkpoint's position in this run's micro-batches, once their size is known (the built-in loop's
@@ -515,13 +377,12 @@ class Run:
         if saved is not None and self._batch_size is not None and self.position.step == saved["global_step"]:
             self.position = replace(self.position, batch=self.checkpointer.resized_batch(
                 self._samples_per_batch(), self.settings.grad_accum))
-            if self._local_sgd is not None:
-                self._local_sgd.step = self.position.step
+            self._driver.moved(self.position.step)
 
     def _samples_per_batch(self) -> int:
         """One micro-batch over all ranks (a checkpoint's position is in micro-batches: this converts it); under
         in-place recovery, over the largest world's, whatever the membership."""
-        return (self._batch_size or 1) * (self.world_size if self._inplace is None else self._inplace.largest)
+        return (self._batch_size or 1) * self._driver.members.largest
 
     def save(self, background: bool = False) -> None:
         """Commit a checkpoint now (every rank calls it); background: with --checkpoint-async, written while
@@ -559,28 +420,11 @@ class Run:
         at its cadence; a stop (SIGTERM, Ctrl-C, on any rank) or the last step ends the iteration on every rank
         at the same step, with a checkpoint committed."""
         self._start("run.steps()")
-        if self._inplace is not None:
-            yield from inplace.steps(self, batches)
-            return
-        accum = self.settings.grad_accum
-        length = len(batches) if hasattr(batches, "__len__") else None
-        per_epoch = length // accum if length is not None else None  # a last partial step is dropped
-        source = iter(self.observers.batches(batches))
-        done = 0
-        while not self._ended and (per_epoch is None or done < per_epoch):
-            first = next(source, None)
-            if first is None:
-                return
-            group = None
-            if per_epoch is None:  # no length: a short last group would skip the gradient sync, so it is dropped
-                group = [first, *(batch for _, batch in zip(range(accum - 1), source))]
-                if len(group) < accum:
-                    return
-            counted = Counted(first, iter(group[1:]) if group is not None else source, accum, self.no_sync)
-            yield iter(counted)
-            done += 1
-            if self._after_step(counted.micro, counted.samples, epoch_done=per_epoch is not None and
-                                done == per_epoch, scalars={}):
+        source = Source(self.settings.grad_accum, lambda: self.position, lambda: self._ended, self.observers.batches,
+                        self.no_sync, self._once, self._model)
+        for step in self._driver.steps(batches, source):
+            yield iter(step.counted)
+            if self._driver.step_done(step) and self._after_step(step.micro, step.samples, step.epoch_done, {}):
                 return
 
     def step(self, **scalars) -> bool:
@@ -589,13 +433,9 @@ class Run:
         the checkpoint cadence; True once a stop was requested on any rank (every rank returns True at the same
         step, after a commit), or max_steps is reached before the epoch's end: leave the loop."""
         self._start("run.step()")
-        if self._inplace is not None:
-            with self._once():
-                raise UsageError("run.step()", "in-place recovery takes an abandoned step again, which needs the step "
-                                 "boundary of run.steps() and run.optimizer_step()", "train through run.steps(loader) "
-                                 "and run.optimizer_step(optimizer), or set RECOVERY=restart for this job")
+        self._driver.counted_by_hand(self._once)
         accum = self.settings.grad_accum
-        samples = (self._batch_size or 0) * accum
+        samples = (self._batch_size or 0) * accum * self.world_size
         # With the run's sampler the epoch's end is known: its last step ends the loop over the loader by itself.
         epoch_done = self._sampler is not None and \
             self.position.batch + accum >= self._sampler.batches_per_epoch // accum * accum
@@ -609,11 +449,9 @@ class Run:
         step, total = self.position.step, self.total_steps
         last = total is not None and step >= total
         self._recipe.step_ended(step)  # a new step: its own mixes and clipping; the average, before the checkpoint
-        if self._local_sgd is not None:
-            self._local_sgd.after_step(step)
+        self._driver.step_ended(step)
         lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
-        total = samples * self.world_size if self._inplace is None else samples  # in place: the step's, given
-        self.observers.after_step(step, pos.epoch, total, last, lr, scalars, self._check_weights)
+        self.observers.after_step(step, pos.epoch, samples, last, lr, scalars, self._check_weights)
         stopping = self._supervised.vote.vote(self._supervised.requested)
         self.checkpointer.step_ended(step, stopping, last, epoch_done)
         self.stopped = self.stopped or stopping
@@ -642,8 +480,7 @@ class Run:
 
     def consistent(self) -> None:
         """Make every rank's model state the same before reading it (local SGD averages; else nothing to do)."""
-        if self._local_sgd is not None:
-            self._local_sgd.synchronise()
+        self._driver.synchronise()
 
     def _once(self):
         """A mistake every rank makes alike (the API's order, a setting): one line per host, exit code 2."""
@@ -670,13 +507,11 @@ class Run:
             log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
                      self.position.step, self.position.epoch, self.position.batch)
         # In place every step trains the largest world's global batch, whatever the membership.
-        self._recipe.tune_ema(self._batch_size, self.world_size if self._inplace is None else self._inplace.largest,
-                              self._epochs, self.total_steps)
+        self._recipe.tune_ema(self._batch_size, self._driver.members.largest, self._epochs, self.total_steps)
         names = self._workload_names()
         steps = "" if self.total_steps is None else f", {self.total_steps} steps" + (
             f", {self._steps_per_epoch} per epoch" if self._steps_per_epoch is not None else "")
-        world = str(self.world_size) if self._inplace is None else \
-            f"up to {self._inplace.largest} (in place: each step's quorum decides)"
+        world = self._driver.world_line()
         log.info("training %s on %s: world size %s (%s, %s), strategy %s%s", names[0], names[1] or "the script's data",
                  world, self.ctx.backend, self.device, self.settings.strategy, steps)
         largest = os.environ.get(ELASTIC_WORLD_ENV, "")
@@ -701,8 +536,9 @@ class Run:
         if self._training:
             self.stopped = self._supervised.vote.finish() or self.stopped  # leave with no collective in flight
             self.checkpointer.ending()  # the last one committed before the summary says so
-            if self._inplace is not None and not self.stopped and self._ended and not self._ended_elsewhere:
-                self._inplace_last_commit()
+            if not self.stopped and self._ended and not self._ended_elsewhere:
+                self._driver.last_commit(self.position.step, self.checkpointer.last_committed == self.position.step,
+                                         self._commit_last)
         self._supervised.close()
         self.observers.close()
         if self._training and self.resumed_from is not None and self.position.step == self.resumed_from \
@@ -717,9 +553,9 @@ class Run:
                                              *self._workload_names())
             summary["world_size"] = self.world_size  # in place: the job's at its end
             code = 0 if self.observers.write_summary(summary) else 1
-            if self._inplace is not None and status == "completed" and self.is_main:
-                record_end(self.checkpointer.directory, self.checkpointer.job, self.position.step,
-                           self.settings.as_dict())
+            if status == "completed" and self.ctx.is_main:  # in place: the job's end, for a host started after it
+                self._driver.completed(lambda job: record_end(self.checkpointer.directory, job, self.position.step,
+                                                              self.settings.as_dict()))
         left = self._supervised.leave(self.stopped, self.position.step,
                                       self.checkpointer.last_committed == self.position.step)
         code = left or code
@@ -727,21 +563,13 @@ class Run:
         self._finished = code
         return code
 
-    def _inplace_last_commit(self) -> None:
-        """The end of an in-place job, on every host together: the first host committed the last checkpoint; the
-        others leave once it says so, and write it themselves if it cannot (it was lost meanwhile)."""
-        wrote = self._inplace.writes() and self.checkpointer.last_committed == self.position.step
-        if not self._inplace.confirm(wrote):
-            log.warning("in place: the host that writes the checkpoints did not confirm step %d: this host writes it",
-                        self.position.step)
-            self._inplace.take_over()
-            self.checkpointer.commit_now()
-            self.checkpointer.wait()
+    def _commit_last(self) -> None:
+        self.checkpointer.commit_now()
+        self.checkpointer.wait()
 
     def _close(self) -> None:
         self.checkpointer.close()
-        if self._inplace is not None:
-            self._inplace.close()
+        self._driver.close()
         teardown(self.ctx)
 
     def __enter__(self) -> "Run":
@@ -757,38 +585,8 @@ class Run:
         self.observers.close()
         self._close()
         self._finished = 1
-        if issubclass(exc_type, UsageError):
-            with exit_on_usage_error():
-                raise exc
         if issubclass(exc_type, inplace.QuorumFailed):  # the lighthouse gone: the job may have ended meanwhile
-            self._if_the_job_ended()
-        if issubclass(exc_type, RUN_ERRORS):
-            print_error(str(exc))
-            raise SystemExit(1) from None
-        what = collective_failure(exc) if issubclass(exc_type, Exception) else None
-        if what is not None:
-            stuck = stuck_peers()  # this host's ranks outside the collective, by their stacks (a second)
-            what = f"{what}; {stuck}" if stuck else what
-            line = (f"collective: {what} (a peer rank died or stalled, or the network between hosts broke; see the "
-                    f"other ranks' logs; {self._label('collective_timeout')}, now {self.settings.collective_timeout:g} "
-                    "s, sets the wait)")
-            if peer_failed_first():  # the cause is that rank's: the launcher's one error line names it
-                sys.stderr.write(f"warning: {line}; a rank of this host failed first\n")
-            else:
-                print_error(line)
-            raise SystemExit(1) from None
+            leave_if_ended(self.ctx, self.settings, os.environ)
+        exit_for(exc_type, exc, self._label("collective_timeout"), self.settings.collective_timeout)
         return False  # the script's own error: its traceback, then the launcher's line naming the rank
 
-
-def check_same_software(ctx: DistContext) -> None:
-    """Mismatched images across hosts fail here, clearly, instead of hanging in a collective."""
-    problem = check_same_versions(collectives.all_gather_objects(ctx, version_fingerprint()))
-    if problem:
-        raise UsageError("image", problem, "run the same trainer image on every host")
-
-
-def cpu_has_bf16(torch) -> bool:
-    """Whether this CPU has bf16 instructions. mkldnn's check is a private op: without it, assume it has them
-    (the warning it feeds is advice, never worth a crash)."""
-    probe = private("torch.ops.mkldnn._is_mkldnn_bf16_supported", lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported)
-    return probe is None or bool(torch.backends.mkldnn.is_available() and probe())

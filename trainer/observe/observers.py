@@ -31,10 +31,12 @@ MAX_PATHS_LISTED = 1000  # of the skipped files, in summary.json (bad_files coun
 
 
 class Observers:
-    def __init__(self, settings, ctx: DistContext, started: float):
+    def __init__(self, settings, ctx: DistContext, started: float, writes: Callable[[], bool] = lambda: True):
+        """writes: whether this host writes the scalars and summary.json (in-place recovery: every host's first
+        process observes, and the first host of the generation writes, which may change with every membership)."""
         import torch
 
-        self.settings, self.ctx, self.started = settings, ctx, started
+        self.settings, self.ctx, self.started, self.writes = settings, ctx, started, writes
         self.log_every = settings.log_every
         self.scalars: Scalars | None = None
         self.progress: Progress | None = None
@@ -51,9 +53,6 @@ class Observers:
         self.start_step, self.resumed = 0, False
         self.bad_files: list = []  # trainer.data.images.BadFiles of the run's splits; the first one's bound counts
         self.bad_this_epoch = 0    # its epoch's count over every rank, as of the last log step
-        # In-place recovery: every host's first process observes, and the first host of the generation writes the
-        # scalars and summary.json (which host that is may change with every membership).
-        self.writes: Callable[[], bool] = lambda: True
 
     # ---------------------------------------------------------------- set-up, once the run's pieces are known
     def start(self, start_step: int, resumed: bool) -> None:
