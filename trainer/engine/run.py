@@ -80,13 +80,7 @@ class Run:
             with exit_on_usage_error():
                 self.settings = for_this_device(config, self.ctx, self._label)
                 check_same_software(self.ctx)
-            # The way of training (its driver owns the step boundary and who is in the job), then what it serves.
-            with exit_on_usage_error(silent=not self.ctx.is_local_main):
-                self._driver = driver_for(self.ctx, self.settings, os.environ, self._label, state=self._replica_state,
-                                          load=self._from_replica, newer=self._from_newer_checkpoint)
-            with exit_on_usage_error():
-                self.observers = Observers(self.settings, self.ctx, self.started, self._driver.members.writes)
-                self.checkpointer = self._new_checkpointer()
+            self._build_parts()
         except BaseException:
             teardown(self.ctx)
             raise
@@ -116,6 +110,20 @@ class Run:
         self._finished: int | None = None
 
     # ------------------------------------------------------------------ joining
+    def _build_parts(self) -> None:
+        """The way of training (its driver owns the step boundary and who is in the job), then what it serves: the
+        observers and the checkpointer, given who writes (and, in place, where and behind which fence)."""
+        with exit_on_usage_error(silent=not self.ctx.is_local_main):
+            self._driver = driver_for(self.ctx, self.settings, os.environ, self._label, state=self._replica_state,
+                                      load=self._from_replica, newer=self._from_newer_checkpoint)
+        try:
+            with exit_on_usage_error():
+                self.observers = Observers(self.settings, self.ctx, self.started, self._driver.members.writes)
+                self.checkpointer = self._new_checkpointer()
+        except BaseException:  # in place: the replica group's manager (its threads, its lighthouse client) goes too
+            self._driver.close()
+            raise
+
     def _new_checkpointer(self) -> Checkpointer:
         """The run's checkpointer: it reads the run's moment (_where) when its cadence commits, out of samples/s."""
         cfg = self.settings
