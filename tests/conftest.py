@@ -25,17 +25,19 @@ else:
             path = nodeid.split("::", 1)[0]
             return "containers-and-slurm" if path.startswith(ONE_MACHINE) else path
 
+    # Optional: under `-p no:xdist` (one process, as scripts/test's users may ask) pytest knows no such hook.
+    @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_make_scheduler(config, log):
         config.option.loadscopereorder = False  # the order below: the longest first, the short ones fill the gaps
         return ByFile(config, log)
 
-# The files whose tests take longest in one process (CI's junit report, 2026-11-28), scheduled first after the
+# The files whose tests take longest (a local CI run's junit report, 2026-11-29, two workers), scheduled first after the
 # container and Slurm group so that no long file starts last and runs alone. A scheduling hint: a file missing here
 # only starts later.
-SLOWEST_FIRST = ("test_inplace", "test_bench", "test_launcher_truth", "test_faults", "test_bad_input", "test_user_code",
-                 "test_elastic", "test_fsdp", "test_recipe", "test_api", "test_scripts", "test_resume",
-                 "test_shm_allreduce", "test_async_checkpoint", "test_training", "test_pack", "test_data",
-                 "test_observe")
+SLOWEST_FIRST = ("test_inplace", "test_launcher_truth", "test_faults", "test_user_code", "test_bench", "test_elastic",
+                 "test_recipe", "test_fsdp", "test_resume", "test_scripts", "test_bad_input", "test_shm_allreduce",
+                 "test_api", "test_training", "test_pack", "test_speed_settings", "test_async_checkpoint",
+                 "test_observe", "test_config")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,7 +101,10 @@ def check_the_order(out: Path, survivor: int, steps: int, largest: int = 2, samp
         for step, attempts in steps_of.items():
             assert len(attempts) == 1, (pid, step, attempts)  # a step is written once: when it committed
             lines[step] += attempts
-    assert sorted(lines) == list(range(1, steps + 1)), sorted(set(range(1, steps + 1)) - set(lines))
+    # A line is written once its step committed, at the next step's start (after the next quorum): a host lost just
+    # after its commit, training alone, left no line of that step at all (the checkpoint it committed has it).
+    missing = sorted(set(range(1, steps + 1)) - set(lines))
+    assert set(missing) <= set((lost_after or {}).values()), missing
     incomplete = []
     for step, found in lines.items():
         epoch, index = divmod(step - 1, per_epoch)
@@ -117,7 +120,7 @@ def check_the_order(out: Path, survivor: int, steps: int, largest: int = 2, samp
             assert sorted(trained) == sorted(i for b in batches for i in b), step
         else:
             incomplete.append(step)
-    assert len(incomplete) <= losses, incomplete
+    assert len(incomplete) + len(missing) <= losses, (incomplete, missing)
 
 
 def the_writer(*hosts: Launch) -> tuple[Launch, Launch] | None:

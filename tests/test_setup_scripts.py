@@ -3,12 +3,14 @@
 scripts/install-compose on a host that already has a docker-compose plugin of its own (Docker's package, another
 version, a link by hand): it is left alone, with one line naming --force, before anything is installed. (The
 install itself, from PyPI, and scripts/offline-build against an engine: tests/containers/test_quickstart.py.)
+The test suite itself, run in one process with xdist turned off, as scripts/test passes pytest's own flags on.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 from helpers import REPO, clean_env
@@ -46,3 +48,12 @@ def test_install_compose_takes_an_unknown_argument_as_a_mistake(tmp_path):
     assert result.returncode == 2
     assert result.stderr.splitlines() == ["error: scripts/install-compose: unknown argument '--forse' (use --force "
                                           "or --help)"]
+
+
+def test_the_suite_runs_in_one_process_with_xdist_turned_off(tmp_path):
+    """`scripts/test -p no:xdist ...`: tests/conftest.py's scheduler hook for xdist's workers is optional, so pytest
+    without the plugin runs the tests instead of stopping at an unknown hook (INTERNALERROR)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "tests/test_drivers.py"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
