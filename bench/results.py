@@ -34,6 +34,7 @@ def now() -> str:
 
 def write_results(out: Path, prefix: str, header: dict, runs: list, summary: dict, table: str) -> None:
     """<out>/<prefix>-<time>.md (the table) and .json (header, every run, the summary), then say where."""
+    out.mkdir(parents=True, exist_ok=True)  # made, not refused: the measurement is done by now
     stem = out / datetime.datetime.now().strftime(f"{prefix}-%Y%m%d-%H%M%S")
     stem.with_suffix(".md").write_text(table)
     stem.with_suffix(".json").write_text(json.dumps({**header, "runs": runs, **summary}, indent=2) + "\n")

@@ -135,17 +135,19 @@ def test_bench_timing_cost_alternates_blocks_with_step_timing_on_and_off(tmp_pat
 
 
 def test_bench_engine_cost_alternates_the_engine_and_a_bare_loop(tmp_path):
-    """The direct measure of what the engine (Run) adds per step, in alternating blocks with a paired interval."""
+    """The direct measure of what the engine (Run) adds per step, in alternating blocks with a paired interval; its
+    --out folder made if it is not there yet (a measurement is not lost at its end for want of one)."""
+    out = tmp_path / "results" / "engine"
     done = subprocess.run([sys.executable, "-m", "bench.engine_cost", "--blocks", "4", "--steps", "20",
-                           "--log-every", "5", "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1],
+                           "--log-every", "5", "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
                           env=clean_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(next(tmp_path.glob("engine-cost-*.json")).read_text())
+    result = json.loads(next(out.glob("engine-cost-*.json")).read_text())
     assert [(r["round"], r["stack"]) for r in result["runs"]] == [(n, s) for n in (1, 2, 3, 4)
                                                                  for s in ("engine", "bare")]
     assert result["step_us"]["engine"] > 0 and result["step_us"]["bare"] > 0
     assert result["cost_us"]["low"] <= result["cost_us"]["median"] <= result["cost_us"]["high"]
-    assert "the engine's cost per step" in next(tmp_path.glob("engine-cost-*.md")).read_text()
+    assert "the engine's cost per step" in next(out.glob("engine-cost-*.md")).read_text()
 
 
 def test_bench_bootstrap_cost_starts_the_program_both_ways(tmp_path):
