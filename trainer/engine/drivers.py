@@ -264,16 +264,15 @@ class InPlace(Replicated):
                 it = None  # the step again, from the same position, with the hosts still here
 
     def step_done(self, step: Step) -> bool:
-        committed, self._committed = self._committed, None
-        if committed is None:
+        """The step's answer, which steps() reads too (False: it takes the step again); None is a usage mistake."""
+        if self._committed is None:
             with self._source.once():
                 raise UsageError("run.steps()", "a step ended without run.optimizer_step(optimizer), which under "
                                  "in-place recovery sums the gradients over the hosts", "call run.optimizer_step("
                                  "optimizer) once per step, after the backward passes")
-        self._committed = committed  # steps() reads it to take an abandoned step again
-        if committed:
+        if self._committed:
             self.replicas.recovered(self._source.position().step + 1)
-        return committed
+        return self._committed
 
     def counted_by_hand(self, once: Callable[[], ContextManager]) -> None:
         with once():
