@@ -125,9 +125,6 @@ class Replicated:
         """Before the optimizer step (and any clipping): the step's gradients combined; False: abandoned."""
         return True
 
-    def abandon(self) -> None:
-        """What is left of an abandoned step (the gradients are cleared by the caller)."""
-
     # ------------------------------------------------------------------ the model and the run's moments
     def forward(self, wrapped, position: Position, total_steps: int | None, settings: TrainConfig):
         return wrapped
