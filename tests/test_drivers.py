@@ -184,3 +184,44 @@ def test_averaging_starts_after_a_warm_up_it_must_know_and_follows_the_runs_step
     assert driver.averaging.step == 8 and driver.averaging.averaged_at == -1
     driver.moved(5)
     assert driver.averaging.step == 5 and driver.members.world_size == 2
+
+
+# ---------------------------------------------------------------- the run's state (trainer/engine/train_state.py)
+def settings(epochs: int = 2, max_steps: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(epochs=epochs, max_steps=max_steps)
+
+
+def test_the_state_ends_at_the_planned_total_or_max_steps_and_says_when_that_is_mid_epoch():
+    from trainer.engine.train_state import TrainState
+
+    state = TrainState(settings(epochs=2, max_steps=5), batch_size=4)
+    assert state.total_steps == 5  # max_steps, before the plan is known
+    state.plan(steps_per_epoch=3, epochs=None)
+    assert state.total_steps == 5 and state.epochs_to_train(None) == 2
+    for step in range(1, 6):
+        epoch, counted, last = state.step_counted(micro=2)
+        assert (counted, last) == (step, step == 5)
+        epoch_done = step % 3 == 0
+        assert state.step_ended(stopping=False, last=last, epoch_done=epoch_done) == last
+        if epoch_done:
+            state.epoch_ended()
+    assert state.position == Position(1, 4, 5) and state.ended and state.ended_mid_epoch and not state.stopped
+    assert state.past_the_end()
+    assert TrainState(settings(epochs=3), None).total_steps is None  # no plan, no max_steps: not known
+
+
+def test_the_state_moves_a_checkpoints_position_only_while_the_run_is_where_it_left_it():
+    from trainer.engine.train_state import TrainState
+
+    state = TrainState(settings(), batch_size=None)
+    state.resumed(Position(1, 6, 9))
+    assert state.resumed_from == 9 and state.nothing_trained()
+    assert not state.resized(9, batch=3)  # the micro-batch size is not known yet: a script's sampler sets it
+    state.batch_size = 8
+    assert state.resized(9, batch=3) and state.position == Position(1, 3, 9)
+    assert state.samples_per_batch(largest=4) == 32
+    state.step_counted(micro=1)
+    assert not state.resized(9, batch=1) and not state.nothing_trained()  # trained on: the checkpoint is behind
+    assert state.last_of_epoch(accum=2, batches_per_epoch=7)  # batch 4 + 2 reaches 6, the epoch's whole steps

@@ -52,12 +52,18 @@ class Recipe:
         self._clipped = True
         return norm
 
-    def clip_before_step(self, optimizer) -> None:
-        """run.optimizer_step()'s clip, before the scaler's step: with clip_grad_norm set, unless the step's
-        gradients were clipped already (the user's own run.clip_gradients())."""
+    def optimizer_step(self, optimizer, scheduler) -> None:
+        """run.optimizer_step() once the step's gradients are combined: clipped first with clip_grad_norm set (unless
+        the user's own run.clip_gradients() did), the step through fp16's loss scaler, the gradients cleared, the LR
+        schedule advanced."""
         if self.settings.clip_grad_norm and not self._clipped:
             self.clip_gradients(optimizer)
         self._clipped = False
+        self._scaler.step(optimizer)
+        self._scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
 
     # ------------------------------------------------------------------ mixup and cutmix
     def mixup_cutmix(self, inputs, targets, num_classes: int, position: Position, rank: int,

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer.config.settings import ELASTIC_WORLD_ENV
 from trainer.core.errors import os_reason, print_error
 from trainer.core.files import write_json_atomic
 from trainer.parallel.context import DistContext
@@ -60,6 +62,19 @@ class Observers:
         nothing): a resumed run drops the events a killed one wrote after its last checkpoint (TensorBoard's
         purge_step; metrics.csv likewise)."""
         self.start_step, self.resumed = start_step, resumed
+
+    def announce(self, model: str, dataset: str | None, world: str, total_steps: int | None,
+                 steps_per_epoch: int | None, world_size: int) -> None:
+        """The run's first line: what trains on what, over which world, for how long (and elastic's global batch)."""
+        steps = "" if total_steps is None else f", {total_steps} steps" + (
+            f", {steps_per_epoch} per epoch" if steps_per_epoch is not None else "")
+        settings = self.settings
+        log.info("training %s on %s: world size %s (%s, %s), strategy %s%s", model, dataset or "the script's data",
+                 world, self.ctx.backend, self.ctx.device, settings.strategy, steps)
+        largest = os.environ.get(ELASTIC_WORLD_ENV, "")
+        if largest.isdigit() and settings.global_batch_size:
+            log.info("elastic: world size %d of at most %s; %d samples per process per micro-batch keep the job's "
+                     "global batch of %d", world_size, largest, settings.batch_size, settings.global_batch_size)
 
     def _open(self) -> Scalars:
         if self.scalars is None:
