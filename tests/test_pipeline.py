@@ -1,0 +1,135 @@
+"""Pipeline stages (trainer/parallel/pipeline.py): where a model is cut, what each stage is, and two stages trained at
+two real processes against one process accumulating the same micro-batches."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from helpers import REPO, RUN_TIMEOUT_S, clean_env, free_port
+from trainer.core.errors import UsageError
+from trainer.parallel.pipeline import Layout, balanced, cut, split_points
+
+
+def _user_code(name: str):
+    """A script of tests/user_code as a module (its model and data, for the reference), sys.path untouched."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "user_code" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pipeline_stages = _user_code("pipeline_stages")
+
+
+# ---------------------------------------------------------------- the layout and the cut
+def test_a_replicas_stages_are_consecutive_ranks_and_a_stages_replicas_one_per_replica():
+    layout = Layout.of(rank=5, world_size=8, stages=2)
+    assert (layout.stage, layout.replica, layout.replicas) == (1, 2, 4) and layout.last and not layout.first
+    assert layout.pipeline_ranks() == [4, 5] and layout.replica_ranks() == [1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("counts, stages, starts", [
+    ([1, 1, 1, 1], 2, [2]),
+    ([10, 1, 1, 1, 1], 2, [1]),        # one heavy block alone
+    ([1, 2, 3, 4, 5, 6], 3, [3, 5]),   # 6 | 9 | 6: the largest part, 9, is as small as it gets
+    ([5, 5], 2, [1]),
+])
+def test_the_balanced_cut_makes_the_largest_stage_as_small_as_it_can(counts, stages, starts):
+    assert balanced(counts, stages) == starts
+
+
+def test_resnet50_cut_in_two_keeps_at_most_six_tenths_of_its_parameters_in_either_stage():
+    """Issue 42's memory goal, for the parameters (their gradients and optimizer state follow them): the default cut
+    goes inside layer4, whose 15 M parameters alone are more than half of the 25.6 M."""
+    model = torchvision.models.resnet50()
+    points = split_points(model, 2, "", "--pipeline-split", "resnet50")
+    assert points == ["layer4.1"]
+    total = sum(p.numel() for p in model.parameters())
+    before = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("layer4.1", "layer4.2",
+                                                                                           "fc")))
+    assert max(before, total - before) / total <= 0.6, (before, total)
+
+
+@pytest.mark.parametrize("given, stages, problem, fix", [
+    ("layer3,layer4", 2, "2 names for 2 stages", "name the 1 modules"),
+    ("layer5", 2, "'layer5' is not a module of resnet18", "did you mean layer"),
+    ("layer4,layer2", 3, "are not in the model's order", "in the order the model runs them"),
+])
+def test_a_split_that_does_not_fit_the_model_is_one_line_naming_the_setting(given, stages, problem, fix):
+    with pytest.raises(UsageError) as raised:
+        split_points(torchvision.models.resnet18(), stages, given, "--pipeline-split", "resnet18")
+    line = str(raised.value)
+    assert line.startswith("--pipeline-split: ") and problem in line and fix in line, line
+
+
+def test_more_stages_than_blocks_names_the_stages_setting():
+    with pytest.raises(UsageError) as raised:
+        split_points(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 3, "", "--pipeline-split", "tiny")
+    assert str(raised.value).startswith("--pipeline-stages: 3 stages, and tiny has 2 blocks"), str(raised.value)
+
+
+def test_the_stages_of_a_resnet_are_its_own_forward_under_its_own_names():
+    """ResNet's forward flattens before its head: the traced stages run that too. Outputs, gradients and BatchNorm's
+    running statistics equal the eager model's, bit for bit, and the stages' state dicts are the model's."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    eager = torchvision.models.resnet18(num_classes=10)
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 32, 32)
+    stages = cut(model, x, ["layer3"])
+    out = stages[1](stages[0](torch.randn(4, 3, 32, 32).copy_(x)))
+    out = out[0] if isinstance(out, tuple) else out
+    expected = eager(x)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    mine = {**dict(stages[0].named_parameters()), **dict(stages[1].named_parameters())}
+    assert set(mine) == {name for name, _ in eager.named_parameters()}
+    assert all(torch.equal(mine[name].grad, p.grad) for name, p in eager.named_parameters())
+    state = {**stages[0].state_dict(), **stages[1].state_dict()}
+    assert set(state) == set(eager.state_dict())
+    assert all(torch.equal(state[name], value) for name, value in eager.state_dict().items())
+    assert mine["conv1.weight"] is model.conv1.weight  # the stages share the model's tensors
+
+
+# ---------------------------------------------------------------- two real processes
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_at_two_processes_train_bit_identical_to_one_process_accumulating(tmp_path, schedule):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           f"--master-port={free_port()}", str(REPO / "tests" / "user_code" / "pipeline_stages.py"),
+                           str(tmp_path), schedule], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = [torch.load(tmp_path / f"stage-{stage}.pt", weights_only=True) for stage in (0, 1)]
+
+    # One thread, as torchrun gives each worker (OMP_NUM_THREADS=1): a CPU convolution's weight gradient is summed in
+    # an order that follows the thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = pipeline_stages.model()
+        optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        loss_fn, m = nn.CrossEntropyLoss(), pipeline_stages.MICROBATCHES
+        losses = []
+        for inputs, targets in pipeline_stages.batches():
+            for x, y in zip(inputs.chunk(m), targets.chunk(m)):
+                loss = loss_fn(reference(x), y) / m
+                loss.backward()
+                losses.append(float(loss.detach()))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    state = {**saved[0]["state"], **saved[1]["state"]}
+    assert set(state) == set(reference.state_dict())
+    different = [name for name, value in reference.state_dict().items() if not torch.equal(state[name], value)]
+    assert not different, different
+    assert saved[1]["losses"] == losses and saved[0]["losses"] == []
+    assert losses[-m:] != losses[:m]  # it trained: the last step's losses are not the first's

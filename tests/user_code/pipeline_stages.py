@@ -1,0 +1,66 @@
+"""Two pipeline stages of a small CNN (BatchNorm, ResNet's flatten before the head) trained for a few steps through
+trainer.parallel.pipeline.Stage, under torchrun: each rank saves its stage's state dict (the unsplit model's names)
+for the test to compare with one process accumulating the same micro-batches.
+
+    torchrun --nproc-per-node 2 pipeline_stages.py OUT SCHEDULE
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.parallel.pipeline import Layout, Stage, cut
+
+MICROBATCHES, BATCH, STEPS = 4, 16, 4
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.hidden = nn.Linear(32, 16)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.bn(self.conv(x))))
+        return self.fc(torch.relu(self.hidden(torch.flatten(x, 1))))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def main() -> None:
+    out, schedule = Path(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo")
+    layout = Layout.of(dist.get_rank(), dist.get_world_size(), stages=2)
+    net = model()
+    data = batches()
+    module = cut(net, data[0][0][:BATCH // MICROBATCHES], ["hidden"])[layout.stage]
+    loss = nn.CrossEntropyLoss()
+    stage = Stage(module, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
+                  torch.device("cpu"), pipeline_group=dist.group.WORLD)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for inputs, targets in data:
+        losses += [float(x.detach()) for x in stage.step(inputs, targets)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.save({"state": module.state_dict(), "losses": losses}, out / f"stage-{layout.stage}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Pipeline stages (--pipeline-stages P): the model cut into P stages that pass activations from one process to the
+next, each step's per-rank batch cut into --pipeline-microbatches M so that the stages work at once
+(torch.distributed.pipelining's schedules: GPipe, 1F1B, interleaved 1F1B).
+
+The layout: world size = P x D. Rank r is stage r % P of data-parallel replica r // P: a replica's stages are
+consecutive ranks, so with NPROC_PER_NODE a multiple of P they share a host (the activations cross shared memory, not
+the network) and the replicas spread over the hosts, as the tutorials draw it. Each stage's gradients are averaged
+over the D processes that hold it.
+
+The cut: at module boundaries, where the forward runs them, traced by torch.distributed.pipelining.pipeline (with
+torch.export): the forward's own code (ResNet's flatten, ViT's class token) lands in the stage that runs it, so any
+model whose forward exports splits, with no change to it. The stages keep the unsplit model's parameter and buffer
+names and share its tensors: what a stage saves is its part of the unsplit model's state dict, so a checkpoint
+written at one layout is read at any other, the unsplit one included.
+
+The default cut balances the stages' parameter counts over the model's blocks: its top-level children, a child that
+holds more than a stage's share of the parameters taken apart into its own children (ResNet-50's layer4 into its
+three bottlenecks, a ViT's encoder into its layers), in the order they are registered.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from torch import nn
+
+from trainer.core.errors import UsageError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank sits: stage `stage` of P, in data-parallel replica `replica` of D."""
+
+    stages: int
+    replicas: int
+    stage: int
+    replica: int
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, stages: int) -> "Layout":
+        return cls(stages, world_size // stages, rank % stages, rank // stages)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
+        """The ranks of a replica's stages, in order (this rank's replica by default)."""
+        replica = self.replica if replica is None else replica
+        return [replica * self.stages + stage for stage in range(self.stages)]
+
+    def replica_ranks(self, stage: int | None = None) -> list[int]:
+        """The ranks that hold a stage, one per replica (this rank's stage by default)."""
+        stage = self.stage if stage is None else stage
+        return [replica * self.stages + stage for replica in range(self.replicas)]
+
+
+def blocks(model: nn.Module, stages: int) -> list[tuple[str, int]]:
+    """(name, parameter count) of the blocks a default cut falls between, in registration order: the top-level
+    children, and a child holding more than 1/stages of the parameters taken apart into its children, again."""
+    share = sum(p.numel() for p in model.parameters()) / max(stages, 1)
+    found: list[tuple[str, int]] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            count = sum(p.numel() for p in child.parameters())
+            if count > share and any(True for _ in child.children()):
+                walk(child, prefix + name + ".")
+            else:
+                found.append((prefix + name, count))
+    walk(model, "")
+    return found
+
+
+def balanced(counts: list[int], stages: int) -> list[int]:
+    """Where each later stage begins (indices into counts): the contiguous cut into `stages` parts, none empty, whose
+    largest part is smallest (ties: the earliest cut)."""
+    n = len(counts)
+    prefix = [0]
+    for count in counts:
+        prefix.append(prefix[-1] + count)
+    # best[k][i]: the smallest largest part cutting counts[:i] into k parts; cut[k][i]: where the last part begins.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    starts, i = [], n
+    for k in range(stages, 1, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split_points(model: nn.Module, stages: int, given: str, label: str, model_name: str) -> list[str]:
+    """The modules each later stage begins with: `given` (comma-separated names) checked against the model, else
+    the balanced cut over its blocks. A UsageError names `label` (the setting as the user wrote it)."""
+    found = blocks(model, stages)
+    if not given:
+        if len(found) < stages:
+            raise UsageError(label.replace("split", "stages"), f"{stages} stages, and {model_name} has "
+                             f"{len(found)} blocks to cut between ({', '.join(name for name, _ in found)})",
+                             f"use at most {len(found)} stages")
+        return [found[index][0] for index in balanced([count for _, count in found], stages)]
+    names = [name.strip() for name in given.split(",") if name.strip()]
+    if len(names) != stages - 1:
+        raise UsageError(label, f"{len(names)} names for {stages} stages", f"name the {stages - 1} modules that "
+                         "begin the second stage onwards, comma-separated (or leave it empty for a balanced cut)")
+    modules = dict(model.named_modules())
+    order = list(modules)
+    for name in names:
+        if name not in modules or name == "":
+            close = difflib.get_close_matches(name, [n for n in order if n], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(label, f"{name!r} is not a module of {model_name}",
+                             f"{hint}the blocks: {', '.join(n for n, _ in found)}")
+    if [order.index(name) for name in names] != sorted(order.index(name) for name in names) or len(set(names)) != \
+            len(names):
+        raise UsageError(label, f"{','.join(names)} are not in the model's order",
+                         "name each stage's first module in the order the model runs them")
+    return names
+
+
+def cut(model: nn.Module, example, points: list[str]) -> list[nn.Module]:
+    """The model's stages, traced with `example` (one micro-batch's input): modules that share the model's tensors
+    under its own names, stage i+1 taking stage i's outputs."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    pipe = pipeline(model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in points})
+    return [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+
+
+class Stage:
+    """This rank's stage and the schedule that runs it: one call of step() trains one per-rank batch as M micro-batches
+    through every stage of the replica (the first stage feeds the inputs, the last computes the loss), leaving each
+    stage's gradients in its parameters; with D replicas they are averaged over the stage's replicas on the last
+    micro-batch's backward (DistributedDataParallel over the stage's replica group)."""
+
+    def __init__(self, module: nn.Module, layout: Layout, schedule: str, microbatches: int, loss_fn, device,
+                 pipeline_group, replica_group=None):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.layout, self.module = layout, module
+        if replica_group is not None and layout.replicas > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, process_group=replica_group)
+        self.stage = PipelineStage(module, layout.stage, layout.stages, device, group=pipeline_group)
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        # The loss of each micro-batch is divided here (scale_grads=False): the schedule's own division would also
+        # divide gradients accumulated over several steps' worth of batches (grad_accum).
+        self.schedule = kind(self.stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def step(self, inputs, targets) -> list:
+        """One per-rank batch forward and backward; the last stage's micro-batch losses (as loss_fn returned them),
+        [] on the other stages."""
+        losses: list = []
+        if self.layout.first and self.layout.last:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        elif self.layout.first:
+            self.schedule.step(inputs)
+        else:
+            self.schedule.step(target=targets if self.layout.last else None, losses=losses)
+        return losses
