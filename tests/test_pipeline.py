@@ -99,16 +99,10 @@ def test_the_stages_of_a_resnet_are_its_own_forward_under_its_own_names():
     assert mine["conv1.weight"] is model.conv1.weight  # the stages share the model's tensors
 
 
-# ---------------------------------------------------------------- two real processes
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_stages_at_two_processes_train_bit_identical_to_one_process_accumulating(tmp_path, schedule):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           f"--master-port={free_port()}", str(REPO / "tests" / "user_code" / "pipeline_stages.py"),
-                           str(tmp_path), schedule], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    saved = [torch.load(tmp_path / f"stage-{stage}.pt", weights_only=True) for stage in (0, 1)]
-
+# ---------------------------------------------------------------- real processes
+def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process training the same micro-batches with gradient accumulation (each replica's half of a batch, cut
+    into the same micro-batches): its state dict and its losses (replica 0's)."""
     # One thread, as torchrun gives each worker (OMP_NUM_THREADS=1): a CPU convolution's weight gradient is summed in
     # an order that follows the thread count.
     threads = torch.get_num_threads()
@@ -119,17 +113,41 @@ def test_two_stages_at_two_processes_train_bit_identical_to_one_process_accumula
         loss_fn, m = nn.CrossEntropyLoss(), pipeline_stages.MICROBATCHES
         losses = []
         for inputs, targets in pipeline_stages.batches():
-            for x, y in zip(inputs.chunk(m), targets.chunk(m)):
-                loss = loss_fn(reference(x), y) / m
-                loss.backward()
-                losses.append(float(loss.detach()))
+            for replica, (xs, ys) in enumerate(zip(inputs.chunk(replicas), targets.chunk(replicas))):
+                for x, y in zip(xs.chunk(m), ys.chunk(m)):
+                    loss = loss_fn(reference(x), y) / m
+                    (loss / replicas).backward()
+                    if replica == 0:
+                        losses.append(float(loss.detach()))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        return reference.state_dict(), losses
     finally:
         torch.set_num_threads(threads)
-    state = {**saved[0]["state"], **saved[1]["state"]}
-    assert set(state) == set(reference.state_dict())
-    different = [name for name, value in reference.state_dict().items() if not torch.equal(state[name], value)]
-    assert not different, different
-    assert saved[1]["losses"] == losses and saved[0]["losses"] == []
+
+
+@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
+def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp_path, nproc, schedule):
+    """2 processes: one replica of the two stages, bit-identical to one process. 4: two replicas, each stage's
+    gradients averaged over them by DistributedDataParallel, within 1e-5 (the average sums in another order)."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           f"--master-port={free_port()}", str(REPO / "tests" / "user_code" / "pipeline_stages.py"),
+                           str(tmp_path), schedule], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    replicas = nproc // 2
+    saved = {(stage, replica): torch.load(tmp_path / f"stage-{stage}-{replica}.pt", weights_only=True)
+             for stage in (0, 1) for replica in range(replicas)}
+    expected, losses = reference_run(replicas)
+    for replica in range(replicas):
+        state = {**saved[0, replica]["state"], **saved[1, replica]["state"]}
+        assert set(state) == set(expected)
+        if replicas == 1:
+            different = [name for name, value in expected.items() if not torch.equal(state[name], value)]
+            assert not different, different
+        else:  # the parameters; BatchNorm's running statistics are replica 0's, as DistributedDataParallel keeps them
+            for name, _ in pipeline_stages.model().named_parameters():
+                torch.testing.assert_close(state[name], expected[name], rtol=1e-5, atol=1e-7)
+    assert saved[1, 0]["losses"] == losses and saved[0, 0]["losses"] == []
+    m = pipeline_stages.MICROBATCHES
     assert losses[-m:] != losses[:m]  # it trained: the last step's losses are not the first's

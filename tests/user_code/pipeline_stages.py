@@ -1,8 +1,9 @@
 """Two pipeline stages of a small CNN (BatchNorm, ResNet's flatten before the head) trained for a few steps through
 trainer.parallel.pipeline.Stage, under torchrun: each rank saves its stage's state dict (the unsplit model's names)
-for the test to compare with one process accumulating the same micro-batches.
+for the test to compare with one process accumulating the same micro-batches. At 4 processes, two replicas of the
+two stages, each training its half of every batch, the stages' gradients averaged over the replicas.
 
-    torchrun --nproc-per-node 2 pipeline_stages.py OUT SCHEDULE
+    torchrun --nproc-per-node 2 pipeline_stages.py OUT SCHEDULE     (or --nproc-per-node 4)
 """
 
 import sys
@@ -12,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.parallel.pipeline import Layout, Stage, cut
+from trainer.parallel.pipeline import Layout, Stage, cut, groups
 
-MICROBATCHES, BATCH, STEPS = 4, 16, 4
+MICROBATCHES, BATCH, STEPS = 4, 16, 4  # BATCH: the whole step's, over every replica
 
 
 def model() -> nn.Module:
@@ -48,17 +49,20 @@ def main() -> None:
     layout = Layout.of(dist.get_rank(), dist.get_world_size(), stages=2)
     net = model()
     data = batches()
-    module = cut(net, data[0][0][:BATCH // MICROBATCHES], ["hidden"])[layout.stage]
+    per_replica = BATCH // layout.replicas
+    module = cut(net, data[0][0][:per_replica // MICROBATCHES], ["hidden"])[layout.stage]
     loss = nn.CrossEntropyLoss()
+    pipeline_group, replica_group = groups(layout)
     stage = Stage(module, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
-                  torch.device("cpu"), pipeline_group=dist.group.WORLD)
+                  torch.device("cpu"), pipeline_group, replica_group)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for inputs, targets in data:
-        losses += [float(x.detach()) for x in stage.step(inputs, targets)]
+        mine = slice(layout.replica * per_replica, (layout.replica + 1) * per_replica)
+        losses += [float(x.detach()) for x in stage.step(inputs[mine], targets[mine])]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    torch.save({"state": module.state_dict(), "losses": losses}, out / f"stage-{layout.stage}.pt")
+    torch.save({"state": module.state_dict(), "losses": losses}, out / f"stage-{layout.stage}-{layout.replica}.pt")
     dist.destroy_process_group()
 
 

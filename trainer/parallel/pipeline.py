@@ -62,6 +62,27 @@ class Layout:
         return [replica * self.stages + stage for replica in range(self.replicas)]
 
 
+def groups(layout: Layout, timeout=None):
+    """(this rank's pipeline group, its stage's replica group): every rank makes every group, in the same order, as
+    torch.distributed.new_group requires; the replica group is None with one replica."""
+    import torch.distributed as dist
+
+    options = {} if timeout is None else {"timeout": timeout}
+    mine = None
+    for replica in range(layout.replicas):
+        group = dist.new_group(layout.pipeline_ranks(replica), **options)
+        if replica == layout.replica:
+            mine = group
+    if layout.replicas == 1:
+        return mine, None
+    holding = None
+    for stage in range(layout.stages):
+        group = dist.new_group(layout.replica_ranks(stage), **options)
+        if stage == layout.stage:
+            holding = group
+    return mine, holding
+
+
 def blocks(model: nn.Module, stages: int) -> list[tuple[str, int]]:
     """(name, parameter count) of the blocks a default cut falls between, in registration order: the top-level
     children, and a child holding more than 1/stages of the parameters taken apart into its children, again."""
