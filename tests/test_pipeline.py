@@ -100,9 +100,10 @@ def test_the_stages_of_a_resnet_are_its_own_forward_under_its_own_names():
 
 
 # ---------------------------------------------------------------- real processes
-def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float], torch.Tensor]:
     """One process training the same micro-batches with gradient accumulation (each replica's half of a batch, cut
-    into the same micro-batches): its state dict and its losses (replica 0's)."""
+    into the same micro-batches): its state dict, its losses (replica 0's), and replica 0's part of the first batch
+    through the trained model in evaluation mode."""
     # One thread, as torchrun gives each worker (OMP_NUM_THREADS=1): a CPU convolution's weight gradient is summed in
     # an order that follows the thread count.
     threads = torch.get_num_threads()
@@ -121,15 +122,19 @@ def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float]]:
                         losses.append(float(loss.detach()))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return reference.state_dict(), losses
+        reference.eval()
+        with torch.no_grad():
+            evaluated = reference(next(iter(pipeline_stages.batches()))[0].chunk(replicas)[0])
+        return reference.state_dict(), losses, evaluated
     finally:
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
 def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp_path, nproc, schedule):
-    """2 processes: one replica of the two stages, bit-identical to one process. 4: two replicas, each stage's
-    gradients averaged over them by DistributedDataParallel, within 1e-5 (the average sums in another order)."""
+    """2 processes: one replica of the two stages, bit-identical to one process, and so is its evaluation of a batch
+    through the stages. 4: two replicas, each stage's gradients averaged over them by DistributedDataParallel, within
+    1e-5 (the average sums in another order)."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            f"--master-port={free_port()}", str(REPO / "tests" / "user_code" / "pipeline_stages.py"),
                            str(tmp_path), schedule], cwd=REPO, env=clean_env(), capture_output=True, text=True,
@@ -138,7 +143,7 @@ def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp
     replicas = nproc // 2
     saved = {(stage, replica): torch.load(tmp_path / f"stage-{stage}-{replica}.pt", weights_only=True)
              for stage in (0, 1) for replica in range(replicas)}
-    expected, losses = reference_run(replicas)
+    expected, losses, evaluated = reference_run(replicas)
     for replica in range(replicas):
         state = {**saved[0, replica]["state"], **saved[1, replica]["state"]}
         assert set(state) == set(expected)
@@ -149,5 +154,8 @@ def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp
             for name, _ in pipeline_stages.model().named_parameters():
                 torch.testing.assert_close(state[name], expected[name], rtol=1e-5, atol=1e-7)
     assert saved[1, 0]["losses"] == losses and saved[0, 0]["losses"] == []
+    assert saved[0, 0]["evaluated"] is None  # the output is the last stage's
+    if replicas == 1:  # through the stages in evaluation mode (BatchNorm's running statistics), as the model computes
+        assert torch.equal(saved[1, 0]["evaluated"], evaluated)
     m = pipeline_stages.MICROBATCHES
     assert losses[-m:] != losses[:m]  # it trained: the last step's losses are not the first's

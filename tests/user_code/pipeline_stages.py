@@ -50,11 +50,13 @@ def main() -> None:
     net = model()
     data = batches()
     per_replica = BATCH // layout.replicas
-    module = cut(net, data[0][0][:per_replica // MICROBATCHES], ["hidden"])[layout.stage]
+    example = data[0][0][:per_replica // MICROBATCHES]
+    module = cut(net, example, ["hidden"])[layout.stage]
+    evaluation = cut(net, example, ["hidden"], training=False)[layout.stage]
     loss = nn.CrossEntropyLoss()
     pipeline_group, replica_group = groups(layout)
     stage = Stage(module, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
-                  torch.device("cpu"), pipeline_group, replica_group)
+                  torch.device("cpu"), pipeline_group, replica_group, evaluation)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for inputs, targets in data:
@@ -62,7 +64,9 @@ def main() -> None:
         losses += [float(x.detach()) for x in stage.step(inputs[mine], targets[mine])]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    torch.save({"state": module.state_dict(), "losses": losses}, out / f"stage-{layout.stage}-{layout.replica}.pt")
+    evaluated = stage.evaluate(data[0][0][:per_replica])  # the first batch again, with the trained weights
+    torch.save({"state": module.state_dict(), "losses": losses, "evaluated": evaluated},
+               out / f"stage-{layout.stage}-{layout.replica}.pt")
     dist.destroy_process_group()
 
 

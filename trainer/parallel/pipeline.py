@@ -154,12 +154,22 @@ def split_points(model: nn.Module, stages: int, given: str, label: str, model_na
     return names
 
 
-def cut(model: nn.Module, example, points: list[str]) -> list[nn.Module]:
-    """The model's stages, traced with `example` (one micro-batch's input): modules that share the model's tensors
-    under its own names, stage i+1 taking stage i's outputs."""
+def cut(model: nn.Module, example, points: list[str], training: bool = True) -> list[nn.Module]:
+    """The model's stages, traced with `example` (one micro-batch's input) in training or evaluation mode (a trace
+    keeps the mode it was made in: BatchNorm's batch statistics, or its running ones): modules that share the
+    model's tensors under its own names, stage i+1 taking stage i's outputs. The model's own mode is left as it was."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    pipe = pipeline(model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in points})
+    was = model.training
+    model.train(training)
+    try:
+        pipe = pipeline(model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in points})
+    finally:
+        model.train(was)
+        for name in points:  # pipeline() marks each point by patching its module's forward, and leaves it patched:
+            module = model.get_submodule(name)  # a second trace (the other mode) would split there twice over
+            vars(module).pop("forward", None)
+            vars(module).pop("_orig_forward", None)
     return [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
 
 
@@ -170,10 +180,15 @@ class Stage:
     micro-batch's backward (DistributedDataParallel over the stage's replica group)."""
 
     def __init__(self, module: nn.Module, layout: Layout, schedule: str, microbatches: int, loss_fn, device,
-                 pipeline_group, replica_group=None):
+                 pipeline_group, replica_group=None, evaluation: nn.Module | None = None):
+        """evaluation: the stage traced in evaluation mode, for evaluate()."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.layout, self.module = layout, module
+        self.evaluating = None
+        if evaluation is not None:  # forward only: GPipe's order, no loss
+            self.evaluating = ScheduleGPipe(PipelineStage(evaluation, layout.stage, layout.stages, device,
+                                                          group=pipeline_group), n_microbatches=microbatches)
         if replica_group is not None and layout.replicas > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -195,3 +210,12 @@ class Stage:
         else:
             self.schedule.step(target=targets if self.layout.last else None, losses=losses)
         return losses
+
+    def evaluate(self, inputs):
+        """A per-rank batch through the stages in evaluation mode, no gradients: the model's output on the last stage
+        (the micro-batches' outputs put back together), None on the others."""
+        import torch
+
+        with torch.no_grad():
+            output = self.evaluating.step(inputs) if self.layout.first else self.evaluating.step()
+        return output if self.layout.last else None
