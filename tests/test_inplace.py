@@ -553,10 +553,13 @@ def slow_starters(hosts, tmp_path: Path, port: int, launches: list, samples: int
     """The first host trains alone (the lighthouse apart, as compose's service runs it, unless not `apart`: then
     beside the first's launcher); the hosts named in `late` start once there is a checkpoint, resume from it and wait
     before their first step until the test creates the returned file: (the first, that file, [(a late host, its
-    worker, the step it resumed from)])."""
+    worker, the step it resumed from)]). The first holds at step 20 until the late hosts have resumed: however slowly
+    they start on a loaded machine, they resume from a checkpoint before the job's end."""
     if apart:
         standalone_lighthouse(hosts[0], port, tmp_path)
-    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, hosts=most)
+    hold = tmp_path / "hold"
+    first = host(tmp_path, port, "hostA", hosts[0], "--hold-at", "20", "--hold-until", str(hold), samples=samples,
+                 hosts=most)
     launches.append(first)
     wait_until(lambda: newest_step(tmp_path / "checkpoints"), RUN_BOUND_S, f"a checkpoint\n{first.output()[-3000:]}")
     go = tmp_path / "go"
@@ -568,6 +571,7 @@ def slow_starters(hosts, tmp_path: Path, port: int, launches: list, samples: int
         found = wait_until(lambda o=other: re.search(r"starting at step (\d+)", o.output()), RUN_BOUND_S,
                            f"{other.log_path.name} resumed\n{other.output()[-3000:]}")
         started.append((other, worker_pid(other), int(found.group(1))))
+    hold.touch()
     return first, go, started
 
 

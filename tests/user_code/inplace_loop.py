@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--validate", type=float, default=0.0, help="seconds a validation takes (0: none)")
     parser.add_argument("--ballast-mb", type=int, default=0, help="MiB more in every checkpoint")
     parser.add_argument("--start-when", help="a slow start: the first step waits until this file exists")
+    parser.add_argument("--hold-at", type=int, default=0, help="with --hold-until: wait before training this step")
+    parser.add_argument("--hold-until", help="the file whose existence ends the wait at --hold-at")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: another one)")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
@@ -79,6 +81,9 @@ def main() -> None:
             for _epoch in run.epochs(args.epochs):
                 for micro_batches in run.steps(loader):
                     write_if_committed()
+                    if args.hold_until and run.step_count == args.hold_at:  # the test starts another host meanwhile
+                        while not os.path.exists(args.hold_until):
+                            time.sleep(0.1)
                     indices = []
                     for x, y, index in micro_batches:
                         with run.autocast():
