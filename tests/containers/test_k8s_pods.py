@@ -242,7 +242,12 @@ def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(
     while "topology: " not in pods.logs(0):
         assert time.monotonic() < deadline and pods.state(0)["Status"] == "running", pods.all_logs()
         time.sleep(0.5)
-    time.sleep(5)  # its torchrun imports torch and binds the store
+    # Its torchrun imports torch and binds the store, which takes longer on a loaded machine: worker-1 starts once the
+    # store takes a connection in the pods' network (worker-1's agent would give up on a store that is not there).
+    probe = ["python", "-c", "import socket; socket.create_connection(('127.0.0.1', 29500), 1)"]
+    while pods.containers[0].exec_run(probe).exit_code != 0:
+        assert time.monotonic() < deadline and pods.state(0)["Status"] == "running", pods.all_logs()
+        time.sleep(0.5)
     pods.start(pods.pods[1])
 
     def world_4_checkpoint() -> bool:  # a checkpoint committed after the world of both pods formed
