@@ -59,10 +59,11 @@ class Course:
             if state.ended:
                 return
             epoch, started = state.position.epoch, time.perf_counter()
-            if sampler() is not None:  # the run's, once the script made it
-                sampler().set_epoch(epoch, state.position.batch)
+            made = sampler()  # the run's, once the script made it
+            if made is not None:
+                made.set_epoch(epoch, state.position.batch)
             yield epoch
-            if state.stopped or state.ended_mid_epoch or state.ended_elsewhere:
+            if state.stopped or state.epoch_cut_short:
                 return
             state.epoch_ended()
             self.observers.log(state.position.step, {"time/epoch_s": time.perf_counter() - started})

@@ -1,6 +1,7 @@
-"""A run's process joined to its job, and the parts the run is made of, each built with what it needs: the way of training (its driver owns the step boundary
-and says who is in the job), then what it serves, the observers and the checkpointer, given who writes (and, in
-place, where and behind which fence). Run holds them; nothing is patched in after construction."""
+"""A run's process joined to its job, and the parts the run is made of, each built with what it needs: the way of
+training (its driver owns the step boundary and says who is in the job), then what it serves, the observers and the
+checkpointer, given who writes (and, in place, where and behind which fence). Run holds them; nothing is patched in
+after construction."""
 
 from __future__ import annotations
 

@@ -322,7 +322,7 @@ class Run:
     def ended_mid_epoch(self) -> bool:
         """The run's last step (max_steps) came before its epoch's end (or, in place, was committed by hosts that left
         before this one trained: nothing of the epoch's end is this host's to do)."""
-        return self._state.ended_mid_epoch or self._state.ended_elsewhere
+        return self._state.epoch_cut_short
 
     def log(self, **scalars) -> None:
         """Scalars at the current step, to every tracker (rank 0; TensorBoard tags such as Loss/train)."""

@@ -88,6 +88,12 @@ class TrainState:
         self.ended_mid_epoch = last and not epoch_done
         return stopping or last
 
+    @property
+    def epoch_cut_short(self) -> bool:
+        """Nothing of the epoch's end is this run's to do: its last step (max_steps) came before the epoch's end, or
+        (in place) hosts that left committed the job's last step before this one trained."""
+        return self.ended_mid_epoch or self.ended_elsewhere
+
     def epoch_ended(self) -> None:
         self.position = Position(self.position.epoch + 1, 0, self.position.step)
 

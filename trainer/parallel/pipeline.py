@@ -27,9 +27,6 @@ from torch import nn
 
 from trainer.core.errors import UsageError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where a rank sits: stage `stage` of P, in data-parallel replica `replica` of D."""
