@@ -184,13 +184,31 @@ class TrainConfig:
                                             "instead of keeping them (less memory, about a third more compute)")
     fsdp_cpu_offload: bool = option(False, "fsdp: keep the sharded parameters, gradients and optimizer state in "
                                     "host memory (slower; the GPU holds only the blocks running)")
+    pipeline_stages: int = option(1, "cut the model into P stages, one per process, each passing its activations to "
+                                  "the next (pipeline parallelism: each process holds 1/P of the model); the world "
+                                  "size is P x the data-parallel replicas, a replica's stages on consecutive ranks "
+                                  "(NPROC_PER_NODE a multiple of P keeps them on one host); 1: off")
+    pipeline_schedule: str = option("1f1b", "pipeline stages' order of work: gpipe (every micro-batch's forward, then "
+                                    "every backward) or 1f1b (a forward, a backward: fewer activations held at once)",
+                                    ("gpipe", "1f1b"))
+    pipeline_microbatches: int = option(4, "pipeline stages: the micro-batches each process's batch is cut into so "
+                                        "that the stages work at once (the idle share of a step is (P - 1) / (M + "
+                                        "P - 1)); it must divide the per-process batch")
+    pipeline_split: str = option("", "pipeline stages: the modules each later stage begins with, comma-separated "
+                                 "(e.g. layer3 for two stages of a ResNet); empty: the cut that balances the stages' "
+                                 "parameter counts over the model's blocks")
 
     # Derived once the world size is known (not options).
     world_size: int = field(default=1, metadata={"derived": True})
 
     @property
+    def replicas(self) -> int:
+        """The data-parallel width: the processes over the pipeline stages each replica of the model spans."""
+        return self.world_size // self.pipeline_stages
+
+    @property
     def samples_per_step(self) -> int:
-        return self.batch_size * self.grad_accum * self.world_size
+        return self.batch_size * self.grad_accum * self.replicas
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -396,7 +414,7 @@ def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], en
         # Elastic membership: the global batch of the largest world is the run's at every size, so the
         # per-process batch follows the world size and a checkpoint's position stays exact across a change.
         shaped = TrainConfig(**values)
-        values["global_batch_size"] = shaped.batch_size * int(largest) * shaped.grad_accum
+        values["global_batch_size"] = shaped.batch_size * (int(largest) // shaped.pipeline_stages) * shaped.grad_accum
         sources.pop("batch_size", None)
         values.pop("batch_size", None)
         sources["global_batch_size"] = f"the elastic job's global batch ({flag_name('batch_size')} at world size {largest})"
@@ -546,7 +564,8 @@ MINIMA = (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8),
           ("checkpoint_every", 0), ("keep_checkpoints", 2), ("collective_timeout", 1), ("local_sgd_period", 0),
           ("seed", 0), ("train_crop_size", 0), ("val_resize_size", 0), ("val_crop_size", 0), ("ra_magnitude", 0),
           ("augmix_severity", 1), ("random_erase", 0), ("ra_reps", 1), ("label_smoothing", 0), ("mixup_alpha", 0),
-          ("cutmix_alpha", 0), ("norm_weight_decay", 0), ("bias_weight_decay", 0), ("model_ema_steps", 1))
+          ("cutmix_alpha", 0), ("norm_weight_decay", 0), ("bias_weight_decay", 0), ("model_ema_steps", 1),
+          ("pipeline_stages", 1), ("pipeline_microbatches", 1))
 MAXIMA = (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S), ("seed", 2**32 - 1),
           ("train_crop_size", 4096), ("val_resize_size", 4096), ("val_crop_size", 4096), ("ra_magnitude", 30),
           ("augmix_severity", 10), ("random_erase", 1))
@@ -630,13 +649,15 @@ def _check_loop_recipe(cfg: TrainConfig, setting) -> None:
 
 
 def _batch_per_process(cfg: TrainConfig, world_size: int, sources: dict[str, str], setting) -> int:
-    """The samples per process per micro-batch: --batch-size, or --global-batch-size over the world."""
+    """The samples per process per micro-batch: --batch-size, or --global-batch-size over the world (`world_size`:
+    its data-parallel replicas, the processes over the pipeline stages)."""
     if not cfg.global_batch_size:
         return cfg.batch_size
     per_step = world_size * cfg.grad_accum
     if cfg.global_batch_size % per_step:
-        raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} is not divisible by world size "
-                         f"{world_size} x grad-accum {cfg.grad_accum}", f"use a multiple of {per_step}")
+        width = f"{world_size} replicas" if cfg.pipeline_stages > 1 else f"world size {world_size}"
+        raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} is not divisible by {width} x "
+                         f"grad-accum {cfg.grad_accum}", f"use a multiple of {per_step}")
     batch_size = cfg.global_batch_size // per_step
     if "batch_size" in sources and batch_size != cfg.batch_size:
         raise UsageError(setting("global_batch_size"), f"{cfg.global_batch_size} makes {batch_size} samples per "
@@ -719,6 +740,37 @@ def _check_strategy(cfg: TrainConfig, setting) -> None:
                          f"add {setting('strategy')} fsdp, or drop it")
 
 
+# What pipeline stages do not compose with (yet), and why: one line each.
+NOT_WITH_PIPELINE = (
+    ("local_sgd_period", "averages whole models now and then"),
+    ("model_ema", "averages the whole model's weights"),
+    ("sync_bn", "synchronises BatchNorm over every process"),
+    ("compile", "compiles the whole model"),
+    ("activation_checkpointing", "recomputes the whole model's blocks"),
+)
+
+
+def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
+    """Pipeline stages against the world and what they do not compose with; the data-parallel replicas."""
+    stages = cfg.pipeline_stages
+    if stages == 1:
+        return world_size
+    if world_size % stages:
+        raise UsageError(setting("pipeline_stages"), f"{stages} stages do not divide world size {world_size}",
+                         f"use a divisor of {world_size} (the world is the stages times the data-parallel replicas)")
+    for name, what in NOT_WITH_PIPELINE:
+        if getattr(cfg, name):
+            raise UsageError(setting(name), f"{what}, and each of the {stages} pipeline stages holds a part of it",
+                             f"drop it, or use {setting('pipeline_stages')} 1")
+    if cfg.strategy == "fsdp":
+        raise UsageError(setting("strategy"), "fsdp within pipeline stages is not built yet: each stage is "
+                         "replicated over the data-parallel processes as ddp does", f"use {setting('strategy')} ddp")
+    if cfg.amp == "fp16":
+        raise UsageError(setting("amp"), "fp16's loss scaler skips an overflowing step on the process that sees it, "
+                         "and pipeline stages must skip together", "use bf16")
+    return world_size // stages
+
+
 def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str], loop: bool) -> TrainConfig:
     """The settings checked as their door reads them: the run's everywhere; loop: the built-in loop's own model,
     data, loss and optimizer too (a script brings its own, and its Run checks none of them)."""
@@ -730,10 +782,14 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str], loop:
     bad_file_bound(cfg.max_bad_files, 0, setting("max_bad_files"))
     _check_recipe(cfg, sources, setting)
     _check_strategy(cfg, setting)
-    batch_size = _batch_per_process(cfg, world_size, sources, setting)
+    replicas = _check_pipeline(cfg, world_size, setting)
+    batch_size = _batch_per_process(cfg, replicas, sources, setting)
+    if cfg.pipeline_stages > 1 and batch_size % cfg.pipeline_microbatches:
+        raise UsageError(setting("pipeline_microbatches"), f"{cfg.pipeline_microbatches} does not divide the "
+                         f"{batch_size} samples per process", f"use a divisor of {batch_size}")
     if loop:
         _check_loop_recipe(cfg, setting)
-        _check_loop_data(cfg, world_size, batch_size, setting)
+        _check_loop_data(cfg, replicas, batch_size, setting)
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
                          "give a checkpoint (a step-* file or directory), auto or never")

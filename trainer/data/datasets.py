@@ -394,7 +394,9 @@ class Batches:
                                                        self.reps)
             self.num_batches = self.sampler.batches_per_epoch
         else:  # no padding: padded duplicates would be counted twice in the metrics
-            shard = list(range(self.ctx.rank, self.size, self.ctx.world_size))
+            # A replica's shard: a pipeline's stages all read it (the first takes the inputs, the last the targets).
+            stages = cfg.pipeline_stages
+            shard = list(range(self.ctx.rank // stages, self.size, self.ctx.world_size // stages))
             self.num_batches = -(-len(shard) // self.batch_size)
 
     def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> "Sized | Epoch":

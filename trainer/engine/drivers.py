@@ -120,6 +120,14 @@ class Replicated:
     def counted_by_hand(self, once: Callable[[], ContextManager]) -> None:
         """run.step(): a step the script took itself counts."""
 
+    def forward_backward(self, strategy, forward, inputs, targets, loss_fn, autocast, backward, record):
+        """run.forward_backward(): a micro-batch's forward in autocast, its loss, the backward (scaled, / grad_accum,
+        the loss kept for Loss/train); the loss."""
+        with autocast():
+            loss = loss_fn(forward(inputs), targets)
+        backward(loss)
+        return loss
+
     # ------------------------------------------------------------------ the gradients
     def commit(self, parameters: Callable[[], Iterable]) -> bool:
         """Before the optimizer step (and any clipping): the step's gradients combined; False: abandoned."""
@@ -168,6 +176,47 @@ class Replicated:
 
     def close(self) -> None:
         pass
+
+
+class Staged(Replicated):
+    """Pipeline stages (pipeline_stages > 1, trainer.parallel.pipeline): a micro-batch goes through the schedule, which
+    cuts it into pipeline_microbatches and runs every stage's forwards and backwards; the data is the replicas'
+    (every stage of a replica reads the same batches: the first stage takes the inputs, the last the targets)."""
+
+    def __init__(self, ctx: DistContext, cfg: TrainConfig):
+        members = Fixed(ctx)
+        members.largest = ctx.world_size // cfg.pipeline_stages  # the micro-batches the job keeps are the replicas'
+        super().__init__(members)
+        self.stages, self.microbatches, self.accum = cfg.pipeline_stages, cfg.pipeline_microbatches, cfg.grad_accum
+        self.replica = ctx.rank // cfg.pipeline_stages
+
+    def step_done(self, step: Step) -> bool:
+        step.micro, step.samples = step.counted.micro, step.counted.samples * self.members.largest
+        return True
+
+    def sampler_place(self) -> tuple[int, int]:
+        return self.replica, self.members.largest
+
+    def forward_backward(self, strategy, forward, inputs, targets, loss_fn, autocast, backward, record):
+        """The schedule over the micro-batch: each pipeline micro-batch's loss / (its count x grad_accum) is what the
+        backward starts from, so a step's gradients are those of the replicated step. The last stage keeps the
+        micro-batch's loss for Loss/train and returns it; the others keep 0 (the observers average over the
+        replicas) and return None."""
+        import torch
+
+        scale = self.microbatches * self.accum
+        strategy.loss_fn = lambda output, target: loss_fn(output, target) / scale
+        with autocast():
+            losses = strategy.stage.step(inputs, targets)
+        if not losses:
+            record(torch.zeros((), device=inputs.device))
+            return None
+        loss = torch.stack([part.detach() for part in losses]).sum() * self.accum
+        record(loss)
+        return loss
+
+    def world_line(self) -> str:
+        return f"{self.members.world_size} ({self.stages} pipeline stages x {self.members.largest} replicas)"
 
 
 class Averaging(Replicated):
@@ -343,6 +392,8 @@ def driver_for(ctx: DistContext, cfg: TrainConfig, env, label: Callable[[str], s
         return InPlace(replicas)
     if cfg.local_sgd_period and ctx.distributed:
         return Averaging(ctx, cfg.local_sgd_period, label)
+    if cfg.pipeline_stages > 1:
+        return Staged(ctx, cfg)
     return Replicated(Fixed(ctx))
 
 

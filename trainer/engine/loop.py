@@ -78,7 +78,10 @@ def train(run) -> int:
 
     model = run.all_or_none(lambda: recipe_fits(cfg, build_model(cfg.model, spec)))  # before anything is written
     objective = Objective(model, cfg.model, cfg.label_smoothing)
-    forward = run.wrap(model)  # fsdp shards the model in place: the optimizer holds this rank's shards
+    # Pipeline stages trace the model with a batch's inputs; fsdp shards the model in place, pipeline stages cut it
+    # to this rank's stage: either way the optimizer holds this rank's part.
+    example = next(iter(train_batches.epoch(0)))[0] if cfg.pipeline_stages > 1 else None
+    forward = run.wrap(model, example=example)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     run.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=run.scaler)
@@ -91,17 +94,27 @@ def train(run) -> int:
         for micro_batches in run.steps(batches):
             for inputs, labels in micro_batches:
                 inputs, labels = run.mixup_cutmix(inputs, labels, spec.num_classes)
-                with run.autocast():
-                    loss = objective.per_sample(forward(inputs), inputs, labels).mean()
-                run.backward(loss)
+                run.forward_backward(forward, inputs, labels, mean_loss(objective, inputs))
             run.optimizer_step(optimizer, scheduler)
         validator.epoch_done()
     return run.finish()
 
 
+def mean_loss(objective, inputs):
+    """The loss run.forward_backward() takes, (output, targets) -> their mean: a pipeline's last stage has a pipeline
+    micro-batch's output and targets, not the inputs (a model's own compute_loss, which takes them, is refused with
+    pipeline stages: recipe_fits)."""
+    if objective.custom is not None:
+        return lambda output, targets: objective.per_sample(output, inputs, targets).mean()
+    return lambda output, targets: objective.per_sample(output, targets, targets).mean()
+
+
 def recipe_fits(cfg: TrainConfig, model):
     """The model, refused in one line where the recipe's loss settings cannot reach its loss: a model with its own
     compute_loss gets neither smoothed nor mixed targets."""
+    if cfg.pipeline_stages > 1 and getattr(model, "compute_loss", None) is not None:
+        raise UsageError("--pipeline-stages", f"{cfg.model} computes its own loss from its inputs (compute_loss), "
+                         "which a pipeline's last stage does not have", "use --pipeline-stages 1 for this model")
     given = [name for name in ("label_smoothing", "mixup_alpha", "cutmix_alpha") if getattr(cfg, name)]
     if given and getattr(model, "compute_loss", None) is not None:
         flag = "--" + given[0].replace("_", "-")

@@ -93,7 +93,8 @@ def build_parts(ctx: DistContext, settings, door: str, label: Callable[[str], st
                 labels = replace(labels, diverged_fix="lower the learning rate or lengthen its warm-up; with amp "
                                                       "fp16 try bf16")
             checkpointer = Checkpointer(ctx, settings.checkpoint_dir, settings.keep_checkpoints,
-                                        settings.checkpoint_every, settings.resume, settings.strategy == "fsdp", door,
+                                        settings.checkpoint_every, settings.resume,
+                                        settings.strategy == "fsdp" or settings.pipeline_stages > 1, door,
                                         labels, settings.checkpoint_async, where=where, paused=observers.paused,
                                         **driver.checkpoint_hooks())
     except BaseException:  # in place: the replica group's manager (its threads, its lighthouse client) goes too

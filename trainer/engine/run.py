@@ -60,7 +60,8 @@ class Run:
         self.ctx, self.settings = join_job(config, {"checkpoint_dir": checkpoint_dir, "log_dir": log_dir, **settings},
                                            self._label)
         try:
-            parts = build_parts(self.ctx, self.settings, self.door, self._label, self.started, self._lr)
+            parts = build_parts(self.ctx, self.settings, self.door, self._label, self.started,
+                                lambda: self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None)
         except BaseException:
             teardown(self.ctx)
             raise
@@ -75,8 +76,7 @@ class Run:
 
     # ------------------------------------------------------------------ who does what
     def _label(self, name: str) -> str:
-        """A setting as this run's user wrote it: a flag (--collective-timeout) for the built-in loop, a keyword
-        argument (collective_timeout) for a script."""
+        """A setting as its user wrote it: a flag for the built-in loop (--collective-timeout), a keyword for a script."""
         return flag_name(name) if self.door == BUILT_IN else name
 
     # The job's members as its driver says (in-place recovery: as of the latest quorum; before the first, this host's).
@@ -144,6 +144,12 @@ class Run:
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.settings.amp)
         return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def forward_backward(self, forward, inputs, targets, loss_fn: Callable):
+        """A micro-batch's forward and backward under any layout: loss_fn(output, targets) -> its mean loss, run in the
+        amp setting's autocast; the loss, kept for Loss/train (pipeline stages: the last stage's; None elsewhere)."""
+        return self._driver.forward_backward(self.strategy, forward, inputs, targets, loss_fn, self.autocast,
+                                             self.backward, self.observers.record_loss)
 
     def backward(self, loss) -> None:
         """A micro-batch's backward pass: scaled for fp16, divided by grad_accum, its loss kept for Loss/train."""
@@ -353,9 +359,6 @@ class Run:
         model = self._model if self._model is not None else self.checkpointer.objects.model
         self._course.start(model, self._wrapped, self._optimizers[0] if self._optimizers else None,
                            self._workload_names(), self.world_size)
-
-    def _lr(self) -> float | None:
-        return self._optimizers[0].param_groups[0]["lr"] if self._optimizers else None
 
     def _workload_names(self) -> tuple[str, str | None]:
         """(model, dataset) as summary.json names them: the settings' for the built-in loop, the classes' for a

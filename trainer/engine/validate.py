@@ -44,15 +44,16 @@ def evaluate(run, model, batches: Iterable, count: int | None = None, objective:
     run.consistent()
     module.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=run.device)  # loss, top-1, top-5, samples, predictions
-    classifies = False
+    forward = run.strategy.evaluation(module) if run.strategy is not None else module
     with torch.no_grad(), run.autocast():
         for inputs, targets in evaluation_batches(module, batches, count, run.ctx):
             inputs, targets = inputs.to(run.device, non_blocking=True), targets.to(run.device, non_blocking=True)
-            output = module(inputs)
+            output = forward(inputs)
+            if output is None:  # a pipeline stage before the last: the last one counts the batch
+                continue
             sums[0] += objective.per_sample(output, inputs, targets).sum()
             sums[3] += len(inputs)
             if objective.classifies(output, targets):
-                classifies = True
                 top5 = output.topk(min(5, output.shape[-1]), dim=-1).indices == targets[..., None]
                 sums[1] += top5[..., 0].sum()
                 sums[2] += top5.any(dim=-1).sum()
@@ -60,7 +61,7 @@ def evaluate(run, model, batches: Iterable, count: int | None = None, objective:
     module.train()
     loss, correct1, correct5, samples, predictions = collectives.all_reduce_sum(run.ctx, sums).tolist()
     metrics = {"Loss/val": loss / max(samples, 1)}
-    if classifies:  # the same on every rank: each saw batches of the same model and data
+    if predictions:  # class logits (the sums are every rank's: the same metrics on every rank)
         metrics.update({"acc1/val": correct1 / predictions, "acc5/val": correct5 / predictions})
     return metrics
 

@@ -134,7 +134,8 @@ class Observers:
         if self.loss_count:
             # The same loss on every rank, so every rank joins the check. A non-finite loss with finite weights
             # is an fp16 overflow the loss scaler skipped: training goes on.
-            self.train_loss = summed / (self.loss_count * self.ctx.world_size)
+            # Over the replicas: a pipeline's last stage keeps the loss, its other stages keep 0.
+            self.train_loss = summed / (self.loss_count * (self.ctx.world_size // self.settings.pipeline_stages))
             if not math.isfinite(self.train_loss):
                 check_weights(step)
             values["Loss/train"] = self.train_loss

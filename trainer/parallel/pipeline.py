@@ -82,7 +82,8 @@ def groups(layout: Layout, timeout=None):
 
 def blocks(model: nn.Module, stages: int) -> list[tuple[str, int]]:
     """(name, parameter count) of the blocks a default cut falls between, in registration order: the top-level
-    children, and a child holding more than 1/stages of the parameters taken apart into its children, again."""
+    children, and a child holding more than 1/stages of the parameters taken apart into its children, again; a block
+    without parameters is part of the one before it."""
     share = sum(p.numel() for p in model.parameters()) / max(stages, 1)
     found: list[tuple[str, int]] = []
 
@@ -91,8 +92,9 @@ def blocks(model: nn.Module, stages: int) -> list[tuple[str, int]]:
             count = sum(p.numel() for p in child.parameters())
             if count > share and any(True for _ in child.children()):
                 walk(child, prefix + name + ".")
-            else:
-                found.append((prefix + name, count))
+            elif count or not found:  # a block without parameters (an activation, a pooling) goes with the one
+                found.append((prefix + name, count))  # before it: a stage begins with weights, never with, say, an
+    #                                                     in-place ReLU on the activations it receives
     walk(model, "")
     return found
 
@@ -182,7 +184,7 @@ class Stage:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.layout, self.module = layout, module
-        self.evaluating = None
+        self.evaluating, self.size = None, None  # evaluate()'s schedule, and the batch size it runs
         if evaluation is not None:  # forward only: GPipe's order, no loss
             self.evaluating = ScheduleGPipe(PipelineStage(evaluation, layout.stage, layout.stages, device,
                                                           group=pipeline_group), n_microbatches=microbatches)
@@ -209,10 +211,85 @@ class Stage:
         return losses
 
     def evaluate(self, inputs):
-        """A per-rank batch through the stages in evaluation mode, no gradients: the model's output on the last stage
-        (the micro-batches' outputs put back together), None on the others."""
+        """A batch through the stages in evaluation mode, no gradients: the model's output on the last stage (the
+        micro-batches' outputs put back together), None on the others. The schedule keeps the micro-batch shape of
+        its first batch: a batch of another size goes through in parts of that size, the last one padded with
+        copies of its last sample (their outputs dropped)."""
         import torch
 
+        if self.size is None:  # a whole number of micro-batches
+            m = self.evaluating._n_microbatches
+            self.size = -(-len(inputs) // m) * m
+        outputs = []
         with torch.no_grad():
-            output = self.evaluating.step(inputs) if self.layout.first else self.evaluating.step()
-        return output if self.layout.last else None
+            for start in range(0, len(inputs), self.size):
+                part = inputs[start:start + self.size]
+                short = self.size - len(part)
+                if short:
+                    part = torch.cat([part, part[-1:].expand(short, *part.shape[1:])])
+                output = self.evaluating.step(part) if self.layout.first else self.evaluating.step()
+                if self.layout.last:
+                    outputs.append(output[:len(output) - short])
+        return torch.cat(outputs) if self.layout.last else None
+
+
+def keep_only(model: nn.Module, stage: nn.Module) -> None:
+    """Cut the model in place to this rank's stage: the parameters and buffers of the other stages are dropped from
+    it (set to None: model.parameters() and model.state_dict() then give the stage's alone, under the model's own
+    names), so the optimizer built on the model afterwards holds this stage's state only, as under fsdp."""
+    mine = {name for name, _ in stage.named_parameters()} | {name for name, _ in stage.named_buffers()}
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name in list(table):
+                if table[name] is not None and (f"{prefix}.{name}" if prefix else name) not in mine:
+                    table[name] = None
+
+
+class PipelineStrategy:
+    """--pipeline-stages P: the strategy interface (wrap, no_sync, compiled) for a model cut into stages. wrap() cuts
+    the model in place to this rank's stage and builds the schedule; the driver (trainer.engine.drivers.Staged) runs
+    each micro-batch through it. Each stage is replicated over the data-parallel replicas with ddp's gradient
+    average."""
+
+    def __init__(self, cfg, ctx, label, name: str):
+        self.cfg, self.ctx, self.label, self.name = cfg, ctx, label, name
+        self.layout = Layout.of(ctx.rank, ctx.world_size, cfg.pipeline_stages)
+        self.stage: Stage | None = None
+        self.loss_fn = None  # the running micro-batch's loss function (the schedule's is fixed when it is built)
+        self.wrapped = None
+
+    def wrap(self, model: nn.Module, memory_format=None, example=None, **ddp_options) -> nn.Module:
+        """Cut the model in place to this rank's stage (example: one batch's inputs, to trace it with) and build the
+        schedule; returns the model."""
+        import torch
+
+        if example is None:
+            raise UsageError("wrap()", f"{self.label('pipeline_stages')} {self.cfg.pipeline_stages} cuts the model "
+                             "where its forward runs, which needs an input to trace it with",
+                             "pass one batch's inputs: run.wrap(model, example=inputs)")
+        model.to(self.ctx.device, memory_format=memory_format or torch.contiguous_format)
+        points = split_points(model, self.layout.stages, self.cfg.pipeline_split, self.label("pipeline_split"),
+                              self.name)
+        micro = example[:max(1, len(example) // self.cfg.pipeline_microbatches)].to(self.ctx.device)
+        training = cut(model, micro, points)[self.layout.stage]
+        evaluation = cut(model, micro, points, training=False)[self.layout.stage]
+        keep_only(model, training)
+        model.pipeline_stage = self.layout.stage  # a part of the model: trainer.parallel.strategy.is_sharded
+        pipeline_group, replica_group = groups(self.layout)
+        self.stage = Stage(training, self.layout, self.cfg.pipeline_schedule, self.cfg.pipeline_microbatches,
+                           lambda output, target: self.loss_fn(output, target), self.ctx.device, pipeline_group,
+                           replica_group, evaluation)
+        self.wrapped = model
+        return model
+
+    def no_sync(self, boundary: bool):
+        import contextlib
+
+        return contextlib.nullcontext()  # the schedule syncs a stage's replicas on a batch's last backward
+
+    def compiled(self, forward):
+        return forward
+
+    def evaluation(self, module: nn.Module):
+        """A batch through the stages in evaluation mode: the output on the last stage, None on the others."""
+        return self.stage.evaluate

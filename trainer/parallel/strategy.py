@@ -62,9 +62,11 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether this process holds a part of the model: fsdp's shards, or a pipeline's stage (each rank's part of the
+    model's state dict, under the model's names: checkpoints of both are DCP directories)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule) or getattr(model, "pipeline_stage", None) is not None
 
 
 def local_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -98,10 +100,11 @@ class Strategy:
         # (trainer/engine/inplace.py): a host of one process has nothing for DDP to do.
         self.replicate = ctx.distributed if replicate is None else replicate
 
-    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format,
+    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format, example=None,
              **ddp_options) -> nn.Module:
         """Place the model on the device and return the module the training step calls; the optimizer
-        is built on `model` after this. ddp_options: DistributedDataParallel's own keyword arguments."""
+        is built on `model` after this. ddp_options: DistributedDataParallel's own keyword arguments; example: an
+        input, which pipeline stages trace (trainer.parallel.pipeline) and the other strategies do not need."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model.to(self.ctx.device, memory_format=memory_format)
@@ -139,9 +142,13 @@ class Strategy:
     def compiled(self, forward: Callable) -> Callable:
         return torch.compile(forward) if self.cfg.compile else forward
 
+    def evaluation(self, module: nn.Module) -> Callable:
+        """What validation calls on a batch's inputs: the module (its output); a pipeline's stages give theirs."""
+        return module
+
 
 class FSDPStrategy(Strategy):
-    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format,
+    def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format, example=None,
              **ddp_options) -> nn.Module:
         if ddp_options:
             raise UsageError("wrap()", f"{', '.join(ddp_options)} are DistributedDataParallel's options, and this "
@@ -262,8 +269,12 @@ def for_run(cfg: TrainConfig, ctx: DistContext, model: nn.Module, replicate: boo
             label: Callable[[str], str] = flag_name, name: str | None = None) -> Strategy:
     """The run's strategy, its model checked before anything is written (replicate: see Strategy). label: a
     setting's name as its user wrote it (a script's keyword argument); name: the model's (--model's by default)."""
-    blocks = find_blocks(model) if cfg.strategy == "fsdp" or cfg.activation_checkpointing else []
     name = cfg.model if name is None else name
+    if cfg.pipeline_stages > 1:
+        from trainer.parallel.pipeline import PipelineStrategy
+
+        return PipelineStrategy(cfg, ctx, label, name)
+    blocks = find_blocks(model) if cfg.strategy == "fsdp" or cfg.activation_checkpointing else []
     if not blocks:
         if cfg.strategy == "fsdp":
             raise UsageError(label("strategy"), f"fsdp finds no blocks to shard in {name} ({type(model).__name__} "
