@@ -6,13 +6,17 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torchvision
 from torch import nn
 
-from helpers import REPO, RUN_TIMEOUT_S, clean_env, free_port
+from helpers import (REPO, RUN_TIMEOUT_S, assert_usage_error, clean_env, dirs_args, final_params, free_port,
+                     read_scalars, read_summary, train_ok)
+from trainer.checkpoint import sharded
+from trainer.checkpoint.store import list_checkpoints
 from trainer.core.errors import UsageError
 from trainer.parallel.pipeline import Layout, balanced, cut, split_points
 
@@ -159,3 +163,71 @@ def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp
         assert torch.equal(saved[1, 0]["evaluated"], evaluated)
     m = pipeline_stages.MICROBATCHES
     assert losses[-m:] != losses[:m]  # it trained: the last step's losses are not the first's
+
+
+# ---------------------------------------------------------------- the built-in loop
+PIPELINE_RUN = ["--model", "cnn", "--synthetic-size", "512", "--epochs", "1", "--max-steps", "20", "--log-every", "5",
+                "--val-every", "0"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each of several workers: the same kernels' sum orders
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory) -> Path:
+    """One process training each step's 16 samples as 4 micro-batches of 4, accumulated."""
+    root = tmp_path_factory.mktemp("accumulated")
+    train_ok([*PIPELINE_RUN, "--batch-size", "4", "--grad-accum", "4", *dirs_args(root)], root, nproc=1,
+             env=ONE_THREAD)
+    return root
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_accumulating(accumulated, tmp_path,
+                                                                                         schedule):
+    """Issue 42's goal at P = 2: the weights after 20 steps (each of 16 samples, cut into 4 pipeline micro-batches)
+    are those of one process accumulating the same micro-batches, bit for bit; the checkpoint is the unsplit
+    model's state dict (a DCP directory of both stages' parts); the loss falls; one summary.json."""
+    train_ok([*PIPELINE_RUN, "--batch-size", "16", "--pipeline-stages", "2", "--pipeline-microbatches", "4",
+              "--pipeline-schedule", schedule, *dirs_args(tmp_path)], tmp_path, nproc=2, env=ONE_THREAD)
+    staged = sharded.full_model_state(list_checkpoints(tmp_path / "checkpoints")[0])
+    reference = final_params(accumulated / "checkpoints")
+    assert set(staged) == set(reference)
+    different = [name for name in reference if not torch.equal(staged[name], reference[name])]
+    assert not different, different
+    summary, expected = read_summary(tmp_path / "runs"), read_summary(accumulated / "runs")
+    assert summary["global_step"] == 20 and summary["samples_seen"] == expected["samples_seen"] == 320
+    # The logged loss: the pipeline's sums its micro-batches' shares, the accumulation averages them (float rounding).
+    losses = [value for _, value in read_scalars(tmp_path / "runs")["Loss/train"]]
+    assert losses == pytest.approx([value for _, value in read_scalars(accumulated / "runs")["Loss/train"]],
+                                   rel=1e-6)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("args, setting, problem", [
+    (["--pipeline-stages", "3"], "--pipeline-stages", "3 stages do not divide world size 2"),
+    (["--pipeline-stages", "2", "--batch-size", "6", "--pipeline-microbatches", "4"], "--pipeline-microbatches",
+     "4 does not divide the 6 samples per process"),
+    (["--pipeline-stages", "2", "--local-sgd-period", "4"], "--local-sgd-period", "averages whole models"),
+    (["--pipeline-stages", "2", "--strategy", "fsdp"], "--strategy", "fsdp within pipeline stages"),
+    (["--pipeline-stages", "2", "--pipeline-split", "features.3,head"], "--pipeline-split", "2 names for 2 stages"),
+    (["--pipeline-stages", "2", "--pipeline-split", "feature.6"], "--pipeline-split",
+     "'feature.6' is not a module of cnn (did you mean features.6?"),
+    (["--pipeline-stages", "2", "--pipeline-split", "features.7"], "--pipeline-split",
+     "'features.7' holds no parameters, and a stage begins with weights (did you mean head?"),
+], ids=["stages do not divide the world", "micro-batches do not divide the batch", "local SGD", "fsdp",
+        "a split of the wrong length", "a split that is no module", "a split at an activation"])
+def test_pipeline_mistakes_are_one_line_and_exit_2_with_nothing_written(tmp_path, args, setting, problem):
+    """Through trainer-launch at 2 processes. The settings are refused before any worker starts, one line, exit 2; a
+    split's names are checked against the model once the workers have built it: one line from the host (its first
+    process), exit 2, and the launcher's line saying which rank ended so."""
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", *PIPELINE_RUN, *args, *dirs_args(tmp_path)],
+                            cwd=tmp_path, env=clean_env({"NPROC_PER_NODE": "2", "PREFLIGHT": "0"}),
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if "split" in setting and "names for" not in problem:  # the model's check: one line from the workers' host
+        assert result.returncode == 2, result.stderr[-3000:]
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error: --pipeline-split")]
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        line = lines[0]
+    else:
+        line = assert_usage_error(result, setting)
+    assert problem in line, line
+    assert not list((tmp_path / "checkpoints").glob("step-*")), "a checkpoint was written"

@@ -304,7 +304,7 @@ def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callab
     pick_port: on one host with MASTER_PORT unset, take a free port (not for --dry-run, which starts nothing)."""
     program = choose_program(argv, env)
     # All but the world-size checks, before counting GPUs (which may import torch).
-    options = load_config(list(program.args), env, world_size=1) if program.builtin else None
+    options = load_config(list(program.args), env, world_size=None) if program.builtin else None
     topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
     settings = launcher.read(env, topology.elastic)
     if pick_port and topology.mode == topo.TORCHRUN and topology.nnodes == 1 and not topology.elastic and \

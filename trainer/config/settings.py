@@ -354,8 +354,9 @@ SHAPES_TRAINING = ("model", "dataset", "image_size", "augment", "synthetic_size"
                    "model_ema_decay", "amp", "sync_bn", "seed", "strategy")
 
 
-def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int) -> TrainConfig:
-    """Merge flags, environment, .env and defaults into a validated TrainConfig (the built-in loop's)."""
+def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int | None) -> TrainConfig:
+    """Merge flags, environment, .env and defaults into a validated TrainConfig (the built-in loop's). world_size
+    None: not known yet (the launcher's first look): the smallest world the settings fit, the pipeline's stages."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -388,7 +389,7 @@ def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], wo
 
 
 def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], env_file_named: str | None,
-            world_size: int, loop: bool) -> TrainConfig:
+            world_size: int | None, loop: bool) -> TrainConfig:
     """given: {option: (raw value, the setting's name for errors)}, which win over the environment and .env; loop:
     the built-in loop's (its own model and data checked too)."""
     env_file = env_file_named or DEFAULT_ENV_FILE
@@ -409,6 +410,8 @@ def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], en
         # With postponed annotations f.type is the annotation's text: "int", "bool", ...
         values[f.name] = _convert(raw, f.type, setting, f.metadata["choices"])
         sources[f.name] = setting
+    if world_size is None:
+        world_size = TrainConfig(**values).pipeline_stages
     largest = environ.get(ELASTIC_WORLD_ENV, "").strip()
     if largest.isdigit() and int(largest) != world_size and not values.get("global_batch_size"):
         # Elastic membership: the global batch of the largest world is the run's at every size, so the
@@ -768,6 +771,11 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
     if cfg.amp == "fp16":
         raise UsageError(setting("amp"), "fp16's loss scaler skips an overflowing step on the process that sees it, "
                          "and pipeline stages must skip together", "use bf16")
+    names = [name for name in cfg.pipeline_split.split(",") if name.strip()]
+    if names and len(names) != stages - 1:
+        raise UsageError(setting("pipeline_split"), f"{len(names)} names for {stages} stages",
+                         f"name the {stages - 1} modules that begin the second stage onwards, comma-separated (or "
+                         "leave it empty for a balanced cut)")
     return world_size // stages
 
 

@@ -119,14 +119,14 @@ class Run:
 
     # ------------------------------------------------------------------ the model
     def wrap(self, model, **ddp_options):
-        """The model on this rank's device, spread by the strategy setting (ddp: DistributedDataParallel; fsdp:
-        sharded in place, so build the optimizer after this), with activation_checkpointing, channels_last,
-        sync_bn, compile and local_sgd_period applied. Returns what the training step calls."""
+        """The model on this rank's device, spread as the settings say (ddp; fsdp and pipeline_stages cut it in place:
+        build the optimizer after this; pipeline stages trace it with example=one batch's inputs), compile and the
+        rest applied. Returns what the training step calls."""
         import torch
 
         cfg = self.settings
         name = type(model).__name__  # before wrap(): fsdp renames the class (FSDPSequential)
-        with exit_on_usage_error():
+        with self._once():  # the model's mistakes are every rank's alike
             self.strategy = for_run(cfg, self.ctx, model, label=self._label, name=self._names[0] or name)
             if cfg.sync_bn and self.distributed:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -146,6 +146,12 @@ def split_points(model: nn.Module, stages: int, given: str, label: str, model_na
             hint = f"did you mean {close[0]}? " if close else ""
             raise UsageError(label, f"{name!r} is not a module of {model_name}",
                              f"{hint}the blocks: {', '.join(n for n, _ in found)}")
+        if not any(True for _ in modules[name].parameters()):  # an activation's in-place op would write into the
+            #                                                        stage's input: a stage begins with weights
+            later = [n for n, _ in found if order.index(n) > order.index(name)]
+            hint = f"did you mean {later[0]}? " if later else ""
+            raise UsageError(label, f"{name!r} holds no parameters, and a stage begins with weights",
+                             f"{hint}the blocks: {', '.join(n for n, _ in found)}")
     if [order.index(name) for name in names] != sorted(order.index(name) for name in names) or len(set(names)) != \
             len(names):
         raise UsageError(label, f"{','.join(names)} are not in the model's order",
