@@ -4,6 +4,7 @@ two real processes against one process accumulating the same micro-batches."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,13 +172,55 @@ PIPELINE_RUN = ["--model", "cnn", "--synthetic-size", "512", "--epochs", "1", "-
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each of several workers: the same kernels' sum orders
 
 
+ONE_PROCESS = ["--batch-size", "4", "--grad-accum", "4"]  # each step's 16 samples as 4 micro-batches of 4
+TWO_STAGES = ["--batch-size", "16", "--pipeline-stages", "2", "--pipeline-microbatches", "4"]
+
+
 @pytest.fixture(scope="module")
 def accumulated(tmp_path_factory) -> Path:
-    """One process training each step's 16 samples as 4 micro-batches of 4, accumulated."""
+    """One process training each step's 16 samples as 4 micro-batches of 4, accumulated (checkpoints at 10, 20)."""
     root = tmp_path_factory.mktemp("accumulated")
-    train_ok([*PIPELINE_RUN, "--batch-size", "4", "--grad-accum", "4", *dirs_args(root)], root, nproc=1,
+    train_ok([*PIPELINE_RUN, *ONE_PROCESS, "--checkpoint-every", "10", *dirs_args(root)], root, nproc=1,
              env=ONE_THREAD)
     return root
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> Path:
+    """Two stages (1f1b) of the same run (checkpoints at 10, 20)."""
+    root = tmp_path_factory.mktemp("staged")
+    train_ok([*PIPELINE_RUN, *TWO_STAGES, "--checkpoint-every", "10", *dirs_args(root)], root, nproc=2,
+             env=ONE_THREAD)
+    return root
+
+
+def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return sharded.full_model_state(checkpoint) if checkpoint.is_dir() else \
+        torch.load(checkpoint, weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("start, resume, nproc, expected", [
+    ("staged", TWO_STAGES, 2, "staged"),
+    ("staged", ONE_PROCESS, 1, "accumulated"),
+    ("accumulated", TWO_STAGES, 2, "staged"),
+], ids=["two stages, again at two stages", "two stages, at one process", "one process, at two stages"])
+def test_a_mid_epoch_checkpoint_resumes_at_any_layout_bit_identical(request, tmp_path, start, resume, nproc,
+                                                                     expected):
+    """Step 10 of 32 in the epoch, resumed (at the layout that wrote it, or the other: a DCP directory of two
+    stages' parts into one whole model, one model's file into two stages) and trained to step 20: the weights are
+    the uninterrupted run's, bit for bit (the two layouts train the same micro-batches bit-identically)."""
+    source = request.getfixturevalue(start) / "checkpoints"
+    name = next(path.name for path in source.iterdir() if path.name.startswith("step-00000010"))
+    (tmp_path / "from").mkdir()
+    copy = tmp_path / "from" / name
+    (shutil.copytree if (source / name).is_dir() else shutil.copy)(source / name, copy)
+    train_ok([*PIPELINE_RUN, *resume, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=nproc,
+             env=ONE_THREAD)
+    resumed = model_state(list_checkpoints(tmp_path / "checkpoints")[0])
+    reference = model_state(list_checkpoints(request.getfixturevalue(expected) / "checkpoints")[0])
+    different = [key for key in reference if not torch.equal(resumed[key], reference[key])]
+    assert not different, different
+    assert read_summary(tmp_path / "runs")["resumed_from_step"] == 10
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -186,8 +229,8 @@ def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_acc
     """Issue 42's goal at P = 2: the weights after 20 steps (each of 16 samples, cut into 4 pipeline micro-batches)
     are those of one process accumulating the same micro-batches, bit for bit; the checkpoint is the unsplit
     model's state dict (a DCP directory of both stages' parts); the loss falls; one summary.json."""
-    train_ok([*PIPELINE_RUN, "--batch-size", "16", "--pipeline-stages", "2", "--pipeline-microbatches", "4",
-              "--pipeline-schedule", schedule, *dirs_args(tmp_path)], tmp_path, nproc=2, env=ONE_THREAD)
+    train_ok([*PIPELINE_RUN, *TWO_STAGES, "--pipeline-schedule", schedule, *dirs_args(tmp_path)], tmp_path, nproc=2,
+             env=ONE_THREAD)
     staged = sharded.full_model_state(list_checkpoints(tmp_path / "checkpoints")[0])
     reference = final_params(accumulated / "checkpoints")
     assert set(staged) == set(reference)

@@ -130,35 +130,52 @@ def tensor_state(model, optimizer, names: tuple[str, str] = ("model", "optimizer
     return state, optim["param_groups"]
 
 
+def merged_groups(every_ranks: list[list[dict]]) -> list[dict]:
+    """The optimizer's param_groups over every rank: each group's parameter names, in rank order, once."""
+    merged = [dict(group) for group in every_ranks[0]]
+    for groups in every_ranks[1:]:
+        for into, group in zip(merged, groups):
+            into["params"] = list(dict.fromkeys([*into["params"], *group["params"]]))
+    return merged
+
+
 def load_into(model, optimizer, directory: Path, param_groups: list, kernels_kept,
               names: tuple[str, str] = ("model", "optimizer")) -> None:
     """Every rank reads what it holds of the checkpoint's model and optimizer state (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state, _ = tensor_state(model, optimizer, names)  # the shapes and shards to fill
+    state, current = tensor_state(model, optimizer, names)  # the shapes and shards to fill
     with _one_process_quietly():
         dcp.load(state, storage_reader=_reader(directory), planner=_planner())
     set_model_state_dict(model, state[names[0]])
     if optimizer is not None:
+        held = {name for group in current for name in group["params"]}  # a pipeline stage's names, or every one
+        groups = [{**group, "params": [name for name in group["params"] if name in held]} for group in param_groups]
         with kernels_kept(optimizer):
-            set_optimizer_state_dict(model, optimizer, {"state": state[names[1]], "param_groups": param_groups})
+            set_optimizer_state_dict(model, optimizer, {"state": state[names[1]], "param_groups": groups})
 
 
 def load_full_into(model, optimizer, model_state: dict[str, Any], optim_state: dict[str, Any] | None,
-                   kernels_kept) -> None:
+                   kernels_kept, saved_names: list[list[str]] | None = None) -> None:
     """A single-file checkpoint's states (every tensor whole, optimizer state keyed by index, as
-    Optimizer.state_dict writes it) into a sharded model: each rank keeps its shard."""
+    Optimizer.state_dict writes it) into a model this rank holds a part of: each rank keeps its shard (fsdp), or its
+    stage's tensors (pipeline stages). saved_names: the parameter names of the saved optimizer's indices, by group
+    (checkpoints name them); without them, the indices are this optimizer's own order (the model whole)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=full)
+    held = set(model.state_dict())
+    set_model_state_dict(model, {key: value for key, value in model_state.items() if key in held}, options=full)
     if optimizer is None:
         return
     names = {id(p): name for name, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    converted = {"state": {order[i]: s for i, s in optim_state["state"].items()},
-                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]]}
+    mine = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    order = [name for group in saved_names for name in group] if saved_names else mine
+    kept = set(mine)
+    converted = {"state": {order[i]: s for i, s in optim_state["state"].items() if order[i] in kept},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"] if order[i] in kept]}
+                                  for g in optim_state["param_groups"]]}
     with kernels_kept(optimizer):
         set_optimizer_state_dict(model, optimizer, converted, options=full)
 
@@ -225,6 +242,9 @@ def save(directory: Path, step: int, model, optimizer, rest: dict[str, Any], ctx
 
     _raise_if(collectives.broadcast_from_main(ctx, prepare() if ctx.is_main else None))
     tensors, param_groups = tensor_state(model, optimizer, names)
+    # Every rank's parameters in the groups: a pipeline stage's optimizer holds its stage's alone (fsdp's hold every
+    # name, sharded: the union is any rank's). Loading keeps the names the loading rank holds (load_into).
+    param_groups = merged_groups(collectives.all_gather_objects(ctx, param_groups))
     writer = FileSystemWriter(str(temp), sync_files=True, single_file_per_rank=True)
     if background_group is not None:
         with _one_process_quietly():

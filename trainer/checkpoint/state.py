@@ -36,7 +36,7 @@ BUILT_IN, SCRIPT = "built-in", "script"  # the "door" key: python -m trainer, or
 BUILT_IN_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # what the built-in loop registers
 # Keys of the checkpoint itself: no registered object may take these names.
 RESERVED = ("format", "epoch", "batch", "global_step", "samples_per_batch", "rng", "config", "door", "registered",
-            "objects", "param_groups", "hyperparameters")
+            "objects", "param_groups", "hyperparameters", "param_names")
 
 
 @dataclass
@@ -143,8 +143,25 @@ def meta(pos: Position, samples_per_batch: int, config: dict[str, Any], door: st
 
 
 def snapshot(objects: Registered, info: dict[str, Any], skip: tuple[str | None, ...] = ()) -> dict[str, Any]:
-    """The whole checkpoint dict (skip: names whose tensors go elsewhere: fsdp's DCP shards)."""
-    return {**{name: obj.state_dict() for name, obj in objects.objects.items() if name not in skip}, **info}
+    """The whole checkpoint dict (skip: names whose tensors go elsewhere: fsdp's DCP shards), with the names of the
+    parameters each optimizer's state is kept by position for (param_names: a layout that holds a part of the
+    model, pipeline stages, maps them to its part)."""
+    return {**{name: obj.state_dict() for name, obj in objects.objects.items() if name not in skip}, **info,
+            "param_names": param_names(objects)}
+
+
+def param_names(objects: Registered) -> dict[str, list[list[str]]]:
+    """{optimizer: its groups' parameter names, in its order} for the optimizers of the one registered model."""
+    model = objects.model
+    if model is None:
+        return {}
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = {}
+    for optim_name, optimizer in objects.optimizers.items():
+        groups = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+        if all(name is not None for group in groups for name in group):
+            found[optim_name] = groups
+    return found
 
 
 def restore(objects: Registered, state: dict[str, Any], path: Path, is_sharded: bool, setting: str, fix: str) -> None:
@@ -166,10 +183,10 @@ def restore(objects: Registered, state: dict[str, Any], path: Path, is_sharded: 
             if path.is_dir():
                 sharded.load_into(model, optimizer, path, state.get("param_groups", []), kernels_kept,
                                   (model_name, optim_name))
-            else:  # a strategy ddp file into an fsdp run: converted, each rank its shard
+            else:  # a strategy ddp file into an fsdp run or pipeline stages: converted, each rank its part
                 sharded.load_full_into(model, optimizer, saved_object(state, model_name),
                                        saved_object(state, optim_name) if optimizer is not None else None,
-                                       kernels_kept)
+                                       kernels_kept, state.get("param_names", {}).get(optim_name))
         for name, obj in objects.objects.items():
             if name not in done:
                 current = name
