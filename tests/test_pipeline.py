@@ -274,3 +274,20 @@ def test_pipeline_mistakes_are_one_line_and_exit_2_with_nothing_written(tmp_path
         line = assert_usage_error(result, setting)
     assert problem in line, line
     assert not list((tmp_path / "checkpoints").glob("step-*")), "a checkpoint was written"
+
+
+def test_a_script_on_trainer_api_trains_in_two_stages_under_the_launcher(tmp_path):
+    """The script door: TRAIN_PIPELINE_STAGES=2 under trainer-launch, the loop docs/your-code.md shows; it learns,
+    checkpoints the unsplit model's state dict, and writes one summary."""
+    result = subprocess.run([sys.executable, "-m", "trainer.cli.launch",
+                             str(REPO / "tests" / "user_code" / "pipeline_script.py"), "--out", str(tmp_path)],
+                            cwd=tmp_path, env=clean_env({"NPROC_PER_NODE": "2", "PREFLIGHT": "0",
+                                                         "TRAIN_PIPELINE_STAGES": "2"}),
+                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "runs")
+    assert summary["status"] == "completed" and summary["global_step"] == 3 * 256 // 16, summary
+    losses = [value for _, value in read_scalars(tmp_path / "runs")["Loss/train"]]
+    assert losses[-1] < 0.5 * losses[0], losses
+    state = model_state(list_checkpoints(tmp_path / "checkpoints")[0])
+    assert set(state) == {f"{layer}.{kind}" for layer in (0, 2, 4) for kind in ("weight", "bias")}
