@@ -291,3 +291,20 @@ def test_a_script_on_trainer_api_trains_in_two_stages_under_the_launcher(tmp_pat
     assert losses[-1] < 0.5 * losses[0], losses
     state = model_state(list_checkpoints(tmp_path / "checkpoints")[0])
     assert set(state) == {f"{layer}.{kind}" for layer in (0, 2, 4) for kind in ("weight", "bias")}
+
+
+def test_an_elastic_pipeline_job_takes_the_restart_path_and_says_why():
+    """In-place recovery replicates whole models across the hosts: an elastic job of pipeline stages (the built-in
+    loop's flag, or a script's TRAIN_PIPELINE_STAGES) restarts its workers instead, and its recovery line says why."""
+    import json
+
+    env = clean_env({"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "2"})
+    for args, extra in ((["--model", "cnn", "--pipeline-stages", "2"], {}),
+                        ([str(REPO / "tests" / "user_code" / "pipeline_script.py"), "--out", "x"],
+                         {"TRAIN_PIPELINE_STAGES": "2"})):
+        done = subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", *args], env={**env, **extra},
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+        facts = json.loads(done.stdout)
+        assert facts["recovery"] == "restart" and "pipeline stages cut the model across processes" in \
+            facts["recovery_line"], facts

@@ -377,10 +377,13 @@ def driver_for(ctx: DistContext, cfg: TrainConfig, env, label: Callable[[str], s
     """The run's driver, from its settings and what trainer-launch chose (in place: the lighthouse it runs);
     replica_state: the run's state, load and newer callbacks for inplace.InPlace."""
     if inplace.largest_world(env) is not None:
-        if cfg.strategy == "fsdp" or cfg.local_sgd_period:
-            what = "strategy fsdp shards the model" if cfg.strategy == "fsdp" else \
-                "local_sgd_period averages the models now and then"
-            raise UsageError(label("strategy" if cfg.strategy == "fsdp" else "local_sgd_period"),
+        if cfg.strategy == "fsdp" or cfg.local_sgd_period or cfg.pipeline_stages > 1:
+            setting = "strategy" if cfg.strategy == "fsdp" else "local_sgd_period" if cfg.local_sgd_period else \
+                "pipeline_stages"
+            what = {"strategy": "strategy fsdp shards the model",
+                    "local_sgd_period": "local_sgd_period averages the models now and then",
+                    "pipeline_stages": "pipeline_stages cuts the model across processes"}[setting]
+            raise UsageError(label(setting),
                              f"{what}, and in-place recovery replicates whole models, summing gradients every step",
                              "set RECOVERY=restart for this job (trainer-launch then restarts the workers on a change)")
         try:
