@@ -170,28 +170,28 @@ def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp
 PIPELINE_RUN = ["--model", "cnn", "--synthetic-size", "512", "--epochs", "1", "--max-steps", "20", "--log-every", "5",
                 "--val-every", "0"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each of several workers: the same kernels' sum orders
-
-
 ONE_PROCESS = ["--batch-size", "4", "--grad-accum", "4"]  # each step's 16 samples as 4 micro-batches of 4
 TWO_STAGES = ["--batch-size", "16", "--pipeline-stages", "2", "--pipeline-microbatches", "4"]
 
 
-@pytest.fixture(scope="module")
-def accumulated(tmp_path_factory) -> Path:
-    """One process training each step's 16 samples as 4 micro-batches of 4, accumulated (checkpoints at 10, 20)."""
-    root = tmp_path_factory.mktemp("accumulated")
-    train_ok([*PIPELINE_RUN, *ONE_PROCESS, "--checkpoint-every", "10", *dirs_args(root)], root, nproc=1,
+def finished(tmp_path_factory, name: str, layout: list[str], nproc: int) -> Path:
+    """The run of 20 steps at a layout, checkpointed at steps 10 and 20."""
+    root = tmp_path_factory.mktemp(name)
+    train_ok([*PIPELINE_RUN, *layout, "--checkpoint-every", "10", *dirs_args(root)], root, nproc=nproc,
              env=ONE_THREAD)
     return root
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory) -> Path:
+    """One process training each step's 16 samples as 4 micro-batches of 4, accumulated."""
+    return finished(tmp_path_factory, "accumulated", ONE_PROCESS, 1)
 
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory) -> Path:
-    """Two stages (1f1b) of the same run (checkpoints at 10, 20)."""
-    root = tmp_path_factory.mktemp("staged")
-    train_ok([*PIPELINE_RUN, *TWO_STAGES, "--checkpoint-every", "10", *dirs_args(root)], root, nproc=2,
-             env=ONE_THREAD)
-    return root
+    """Two stages (1f1b) of the same run."""
+    return finished(tmp_path_factory, "staged", TWO_STAGES, 2)
 
 
 def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
