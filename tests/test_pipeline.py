@@ -135,11 +135,11 @@ def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float], 
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
+@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved-1f1b"), (4, "1f1b")])
 def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp_path, nproc, schedule):
     """2 processes: one replica of the two stages, bit-identical to one process, and so is its evaluation of a batch
     through the stages. 4: two replicas, each stage's gradients averaged over them by DistributedDataParallel, within
-    1e-5 (the average sums in another order)."""
+    1e-5 (the average sums in another order). interleaved-1f1b: four pieces, two on each process."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            f"--master-port={free_port()}", str(REPO / "tests" / "user_code" / "pipeline_stages.py"),
                            str(tmp_path), schedule], cwd=REPO, env=clean_env(), capture_output=True, text=True,
@@ -223,7 +223,7 @@ def test_a_mid_epoch_checkpoint_resumes_at_any_layout_bit_identical(request, tmp
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == 10
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
 def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_accumulating(accumulated, tmp_path,
                                                                                          schedule):
     """Issue 42's goal at P = 2: the weights after 20 steps (each of 16 samples, cut into 4 pipeline micro-batches)
@@ -256,8 +256,14 @@ def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_acc
      "'feature.6' is not a module of cnn (did you mean features.6?"),
     (["--pipeline-stages", "2", "--pipeline-split", "features.7"], "--pipeline-split",
      "'features.7' holds no parameters, and a stage begins with weights (did you mean head?"),
+    (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved-1f1b", "--pipeline-split", "features.3"],
+     "--pipeline-split", "1 names cut the model into 2 pieces, and interleaved-1f1b gives each of the 2 stages 2 or "
+     "more"),
+    (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved-1f1b", "--pipeline-microbatches", "5",
+      "--batch-size", "10"], "--pipeline-microbatches", "interleaved-1f1b runs 5 micro-batches in 2 rounds"),
 ], ids=["stages do not divide the world", "micro-batches do not divide the batch", "local SGD", "fsdp",
-        "a split of the wrong length", "a split that is no module", "a split at an activation"])
+        "a split of the wrong length", "a split that is no module", "a split at an activation",
+        "interleaved with one piece per stage", "interleaved micro-batches out of rounds"])
 def test_pipeline_mistakes_are_one_line_and_exit_2_with_nothing_written(tmp_path, args, setting, problem):
     """Through trainer-launch at 2 processes. The settings are refused before any worker starts, one line, exit 2; a
     split's names are checked against the model once the workers have built it: one line from the host (its first
@@ -265,7 +271,7 @@ def test_pipeline_mistakes_are_one_line_and_exit_2_with_nothing_written(tmp_path
     result = subprocess.run([sys.executable, "-m", "trainer.cli.launch", *PIPELINE_RUN, *args, *dirs_args(tmp_path)],
                             cwd=tmp_path, env=clean_env({"NPROC_PER_NODE": "2", "PREFLIGHT": "0"}),
                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if "split" in setting and "names for" not in problem:  # the model's check: one line from the workers' host
+    if "is not a module" in problem or "holds no parameters" in problem:  # the model's check: one line from the workers' host
         assert result.returncode == 2, result.stderr[-3000:]
         lines = [line for line in result.stderr.splitlines() if line.startswith("error: --pipeline-split")]
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

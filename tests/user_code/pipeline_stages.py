@@ -4,6 +4,8 @@ for the test to compare with one process accumulating the same micro-batches. At
 two stages, each training its half of every batch, the stages' gradients averaged over the replicas.
 
     torchrun --nproc-per-node 2 pipeline_stages.py OUT SCHEDULE     (or --nproc-per-node 4)
+
+interleaved-1f1b cuts it into four pieces, two on each process (conv and hidden on the first, bn and fc on the second).
 """
 
 import sys
@@ -46,18 +48,19 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def main() -> None:
     out, schedule = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    layout = Layout.of(dist.get_rank(), dist.get_world_size(), stages=2)
+    points = ["bn", "hidden", "fc"] if schedule == "interleaved-1f1b" else ["hidden"]
+    layout = Layout.of(dist.get_rank(), dist.get_world_size(), stages=2, chunks=(len(points) + 1) // 2)
     net = model()
     data = batches()
     per_replica = BATCH // layout.replicas
     example = data[0][0][:per_replica // MICROBATCHES]
-    module = cut(net, example, ["hidden"])[layout.stage]
-    evaluation = cut(net, example, ["hidden"], training=False)[layout.stage]
+    modules, evaluation = ([pieces[index] for index in layout.pieces]
+                           for pieces in (cut(net, example, points), cut(net, example, points, training=False)))
     loss = nn.CrossEntropyLoss()
     pipeline_group, replica_group = groups(layout)
-    stage = Stage(module, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
+    stage = Stage(modules, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
                   torch.device("cpu"), pipeline_group, replica_group, evaluation)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD([p for module in modules for p in module.parameters()], lr=0.1, momentum=0.9)
     losses = []
     for inputs, targets in data:
         mine = slice(layout.replica * per_replica, (layout.replica + 1) * per_replica)
@@ -65,7 +68,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     evaluated = stage.evaluate(data[0][0][:per_replica])  # the first batch again, with the trained weights
-    torch.save({"state": module.state_dict(), "losses": losses, "evaluated": evaluated},
+    torch.save({"state": {k: v for module in modules for k, v in module.state_dict().items()}, "losses": losses, "evaluated": evaluated},
                out / f"stage-{layout.stage}-{layout.replica}.pt")
     dist.destroy_process_group()
 

@@ -189,8 +189,10 @@ class TrainConfig:
                                   "size is P x the data-parallel replicas, a replica's stages on consecutive ranks "
                                   "(NPROC_PER_NODE a multiple of P keeps them on one host); 1: off")
     pipeline_schedule: str = option("1f1b", "pipeline stages' order of work: gpipe (every micro-batch's forward, then "
-                                    "every backward) or 1f1b (a forward, a backward: fewer activations held at once)",
-                                    ("gpipe", "1f1b"))
+                                    "every backward), 1f1b (a forward, a backward: fewer activations held at once) or "
+                                    "interleaved-1f1b (each process holds 2 or more pieces of the model, P apart: a "
+                                    "smaller idle share for more messages; --pipeline-split names 2P - 1 or more)",
+                                    ("gpipe", "1f1b", "interleaved-1f1b"))
     pipeline_microbatches: int = option(4, "pipeline stages: the micro-batches each process's batch is cut into so "
                                         "that the stages work at once (the idle share of a step is (P - 1) / (M + "
                                         "P - 1)); it must divide the per-process batch")
@@ -200,6 +202,15 @@ class TrainConfig:
 
     # Derived once the world size is known (not options).
     world_size: int = field(default=1, metadata={"derived": True})
+
+    @property
+    def pipeline_chunks(self) -> int:
+        """The pieces of the model each pipeline process holds: under interleaved-1f1b those pipeline_split names
+        (2 if it names none), else 1."""
+        if self.pipeline_schedule != "interleaved-1f1b":
+            return 1
+        names = [name for name in self.pipeline_split.split(",") if name.strip()]
+        return (len(names) + 1) // self.pipeline_stages if names else 2
 
     @property
     def replicas(self) -> int:
@@ -772,7 +783,18 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
         raise UsageError(setting("amp"), "fp16's loss scaler skips an overflowing step on the process that sees it, "
                          "and pipeline stages must skip together", "use bf16")
     names = [name for name in cfg.pipeline_split.split(",") if name.strip()]
-    if names and len(names) != stages - 1:
+    if cfg.pipeline_schedule == "interleaved-1f1b":
+        if names and ((len(names) + 1) % stages or (len(names) + 1) // stages < 2):
+            raise UsageError(setting("pipeline_split"), f"{len(names)} names cut the model into {len(names) + 1} "
+                             f"pieces, and interleaved-1f1b gives each of the {stages} stages 2 or more, as many each",
+                             f"name {2 * stages - 1}, {3 * stages - 1}... modules, or use "
+                             f"{setting('pipeline_schedule')} 1f1b")
+        rounds = max(1, cfg.pipeline_microbatches // stages)  # torch's interleaved schedule runs them in rounds
+        if cfg.pipeline_microbatches % rounds:
+            raise UsageError(setting("pipeline_microbatches"), f"interleaved-1f1b runs {cfg.pipeline_microbatches} "
+                             f"micro-batches in {rounds} rounds of about {stages}, which {cfg.pipeline_microbatches} "
+                             "does not divide into", f"use a multiple of {stages}")
+    elif names and len(names) != stages - 1:
         raise UsageError(setting("pipeline_split"), f"{len(names)} names for {stages} stages",
                          f"name the {stages - 1} modules that begin the second stage onwards, comma-separated (or "
                          "leave it empty for a balanced cut)")

@@ -5,7 +5,9 @@ next, each step's per-rank batch cut into --pipeline-microbatches M so that the 
 The layout: world size = P x D. Rank r is stage r % P of data-parallel replica r // P: a replica's stages are
 consecutive ranks, so with NPROC_PER_NODE a multiple of P they share a host (the activations cross shared memory, not
 the network) and the replicas spread over the hosts, as the tutorials draw it. Each stage's gradients are averaged
-over the D processes that hold it.
+over the D processes that hold it. Interleaved 1F1B cuts the model into V x P pieces and gives each process V of them,
+P apart (rank 0 of a replica holds pieces 0, P, 2P...): the activations go round the processes V times, and the idle
+share of a step falls to (P - 1) / (V x M + P - 1).
 
 The cut: at module boundaries, where the forward runs them, traced by torch.distributed.pipelining.pipeline (with
 torch.export): the forward's own code (ResNet's flatten, ViT's class token) lands in the stage that runs it, so any
@@ -35,10 +37,16 @@ class Layout:
     replicas: int
     stage: int
     replica: int
+    chunks: int = 1  # the pieces of the model each process holds (V: more than one under interleaved 1F1B)
 
     @classmethod
-    def of(cls, rank: int, world_size: int, stages: int) -> "Layout":
-        return cls(stages, world_size // stages, rank % stages, rank // stages)
+    def of(cls, rank: int, world_size: int, stages: int, chunks: int = 1) -> "Layout":
+        return cls(stages, world_size // stages, rank % stages, rank // stages, chunks)
+
+    @property
+    def pieces(self) -> list[int]:
+        """The indices of the model's pieces this rank holds (of stages x chunks), in the model's order."""
+        return [self.stage + chunk * self.stages for chunk in range(self.chunks)]
 
     @property
     def first(self) -> bool:
@@ -124,15 +132,18 @@ def balanced(counts: list[int], stages: int) -> list[int]:
     return starts[::-1]
 
 
-def split_points(model: nn.Module, stages: int, given: str, label: str, model_name: str) -> list[str]:
-    """The modules each later stage begins with: `given` (comma-separated names) checked against the model, else
-    the balanced cut over its blocks. A UsageError names `label` (the setting as the user wrote it)."""
+def split_points(model: nn.Module, stages: int, given: str, label: str, model_name: str, chunks: int = 1) -> list[str]:
+    """The modules each later piece begins with (stages: the pieces, chunks: how many each process holds): `given`
+    (comma-separated names) checked against the model, else the balanced cut over its blocks. A UsageError names
+    `label` (the setting as the user wrote it)."""
     found = blocks(model, stages)
     if not given:
         if len(found) < stages:
-            raise UsageError(label.replace("split", "stages"), f"{stages} stages, and {model_name} has "
+            what = f"{stages} stages" if chunks == 1 else f"{stages} pieces ({stages // chunks} stages x {chunks} " \
+                "pieces each, interleaved-1f1b)"
+            raise UsageError(label.replace("split", "stages"), f"{what}, and {model_name} has "
                              f"{len(found)} blocks to cut between ({', '.join(name for name, _ in found)})",
-                             f"use at most {len(found)} stages")
+                             f"use at most {len(found) // chunks} stages")
         return [found[index][0] for index in balanced([count for _, count in found], stages)]
     names = [name.strip() for name in given.split(",") if name.strip()]
     if len(names) != stages - 1:
@@ -179,30 +190,40 @@ def cut(model: nn.Module, example, points: list[str], training: bool = True) -> 
 
 
 class Stage:
-    """This rank's stage and the schedule that runs it: one call of step() trains one per-rank batch as M micro-batches
-    through every stage of the replica (the first stage feeds the inputs, the last computes the loss), leaving each
-    stage's gradients in its parameters; with D replicas they are averaged over the stage's replicas on the last
-    micro-batch's backward (DistributedDataParallel over the stage's replica group)."""
+    """This rank's stage (its pieces of the model, layout.pieces) and the schedule that runs it: one call of step()
+    trains one per-rank batch as M micro-batches through every stage of the replica (the first stage feeds the inputs,
+    the last computes the loss), leaving each piece's gradients in its parameters; with D replicas they are averaged
+    over the stage's replicas on the last micro-batch's backward (DistributedDataParallel over the replica group)."""
 
-    def __init__(self, module: nn.Module, layout: Layout, schedule: str, microbatches: int, loss_fn, device,
-                 pipeline_group, replica_group=None, evaluation: nn.Module | None = None):
-        """evaluation: the stage traced in evaluation mode, for evaluate()."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    def __init__(self, modules: list[nn.Module], layout: Layout, schedule: str, microbatches: int, loss_fn, device,
+                 pipeline_group, replica_group=None, evaluation: list[nn.Module] | None = None):
+        """modules: this rank's pieces (cut()'s, at layout.pieces); evaluation: the same traced in evaluation mode,
+        for evaluate()."""
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
-        self.layout, self.module = layout, module
-        self.evaluating, self.size = None, None  # evaluate()'s schedule, and the batch size it runs
-        if evaluation is not None:  # forward only: GPipe's order, no loss
-            self.evaluating = ScheduleGPipe(PipelineStage(evaluation, layout.stage, layout.stages, device,
-                                                          group=pipeline_group), n_microbatches=microbatches)
+        def stages(pieces: list[nn.Module]) -> list:
+            return [PipelineStage(piece, index, layout.stages * layout.chunks, device, group=pipeline_group)
+                    for piece, index in zip(pieces, layout.pieces)]
+
+        def scheduled(kind, pieces: list[nn.Module], **options):
+            made = stages(pieces)
+            return kind(made if kind is ScheduleInterleaved1F1B else made[0], n_microbatches=microbatches, **options)
+
+        self.layout, self.modules = layout, modules
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}[schedule]
+        if len(modules) != layout.chunks or (layout.chunks > 1) != (kind is ScheduleInterleaved1F1B):
+            raise ValueError(f"{schedule} with {len(modules)} pieces on a rank of a {layout.chunks}-piece layout")
+        self.evaluating, self.size = None, None  # evaluate()'s schedule (forward only: no loss), its batch size
+        if evaluation is not None:
+            self.evaluating = scheduled(ScheduleGPipe if layout.chunks == 1 else kind, evaluation)
         if replica_group is not None and layout.replicas > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            module = DistributedDataParallel(module, process_group=replica_group)
-        self.stage = PipelineStage(module, layout.stage, layout.stages, device, group=pipeline_group)
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+            modules = [DistributedDataParallel(module, process_group=replica_group) for module in modules]
         # The loss of each micro-batch is divided here (scale_grads=False): the schedule's own division would also
         # divide gradients accumulated over several steps' worth of batches (grad_accum).
-        self.schedule = kind(self.stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = scheduled(kind, modules, loss_fn=loss_fn, scale_grads=False)
 
     def step(self, inputs, targets) -> list:
         """One per-rank batch forward and backward; the last stage's micro-batch losses (as loss_fn returned them),
@@ -239,11 +260,11 @@ class Stage:
         return torch.cat(outputs) if self.layout.last else None
 
 
-def keep_only(model: nn.Module, stage: nn.Module) -> None:
-    """Cut the model in place to this rank's stage: the parameters and buffers of the other stages are dropped from
-    it (set to None: model.parameters() and model.state_dict() then give the stage's alone, under the model's own
-    names), so the optimizer built on the model afterwards holds this stage's state only, as under fsdp."""
-    mine = {name for name, _ in stage.named_parameters()} | {name for name, _ in stage.named_buffers()}
+def keep_only(model: nn.Module, pieces: list[nn.Module]) -> None:
+    """Cut the model in place to this rank's pieces: the parameters and buffers of the others are dropped from it (set
+    to None: model.parameters() and model.state_dict() then give this rank's alone, under the model's own names), so
+    the optimizer built on the model afterwards holds this rank's state only, as under fsdp."""
+    mine = {name for piece in pieces for name, _ in [*piece.named_parameters(), *piece.named_buffers()]}
     for prefix, module in model.named_modules():
         for table in (module._parameters, module._buffers):
             for name in list(table):
@@ -259,7 +280,7 @@ class PipelineStrategy:
 
     def __init__(self, cfg, ctx, label, name: str):
         self.cfg, self.ctx, self.label, self.name = cfg, ctx, label, name
-        self.layout = Layout.of(ctx.rank, ctx.world_size, cfg.pipeline_stages)
+        self.layout = Layout.of(ctx.rank, ctx.world_size, cfg.pipeline_stages, cfg.pipeline_chunks)
         self.stage: Stage | None = None
         self.loss_fn = None  # the running micro-batch's loss function (the schedule's is fixed when it is built)
         self.wrapped = None
@@ -274,14 +295,17 @@ class PipelineStrategy:
                              "where its forward runs, which needs an input to trace it with",
                              "pass one batch's inputs: run.wrap(model, example=inputs)")
         model.to(self.ctx.device, memory_format=memory_format or torch.contiguous_format)
-        points = split_points(model, self.layout.stages, self.cfg.pipeline_split, self.label("pipeline_split"),
-                              self.name)
+        points = split_points(model, self.layout.stages * self.layout.chunks, self.cfg.pipeline_split,
+                              self.label("pipeline_split"), self.name, self.layout.chunks)
         micro = example[:max(1, len(example) // self.cfg.pipeline_microbatches)].to(self.ctx.device)
-        training = cut(model, micro, points)[self.layout.stage]
-        evaluation = cut(model, micro, points, training=False)[self.layout.stage]
+        training, evaluation = ([pieces[index] for index in self.layout.pieces] for pieces in
+                                (cut(model, micro, points), cut(model, micro, points, training=False)))
         keep_only(model, training)
         model.pipeline_stage = self.layout.stage  # a part of the model: trainer.parallel.strategy.is_sharded
-        pipeline_group, replica_group = groups(self.layout)
+        from datetime import timedelta
+
+        # The run's collective timeout, as the world's group has it (new_group's own default is torch's 30 min).
+        pipeline_group, replica_group = groups(self.layout, timedelta(seconds=self.cfg.collective_timeout))
         self.stage = Stage(training, self.layout, self.cfg.pipeline_schedule, self.cfg.pipeline_microbatches,
                            lambda output, target: self.loss_fn(output, target), self.ctx.device, pipeline_group,
                            replica_group, evaluation)
