@@ -135,7 +135,8 @@ def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float], 
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved-1f1b"), (4, "1f1b")])
+@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved-1f1b"), (4, "gpipe"),
+                                             (4, "1f1b")])
 def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp_path, nproc, schedule):
     """2 processes: one replica of the two stages, bit-identical to one process, and so is its evaluation of a batch
     through the stages. 4: two replicas, each stage's gradients averaged over them by DistributedDataParallel, within
@@ -314,3 +315,37 @@ def test_an_elastic_pipeline_job_takes_the_restart_path_and_says_why():
         facts = json.loads(done.stdout)
         assert facts["recovery"] == "restart" and "pipeline stages cut the model across processes" in \
             facts["recovery_line"], facts
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_on_each_of_two_hosts_train_as_one_process_accumulating(hosts, accumulated, tmp_path, launches,
+                                                                           schedule):
+    """P = 2 x D = 2 as the tutorials draw it: each host (a network namespace, tests/netns.py) runs a replica's two
+    stages (NPROC_PER_NODE=2: the activations stay on the host), the stages' gradients are averaged across the hosts
+    over the veth link. Each replica trains half of every step's 16 samples as 2 micro-batches of 4: the weights after
+    20 steps are the one process's accumulating 4 micro-batches of 4, within 1e-5 (the average sums in another
+    order); one summary for the job, the checkpoint the unsplit model's (one directory both hosts write, as hosts
+    share a file system)."""
+    from fault_helpers import Launch
+    from netns import MASTER_ADDR
+
+    args = [*PIPELINE_RUN, "--batch-size", "8", "--pipeline-stages", "2", "--pipeline-microbatches", "2",
+            "--pipeline-schedule", schedule, "--checkpoint-every", "10", *dirs_args(tmp_path)]
+    nodes = []
+    for host in hosts:
+        env = {"NNODES": "2", "NODE_RANK": str(host.node_rank), "NPROC_PER_NODE": "2", "MASTER_ADDR": MASTER_ADDR,
+               "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": host.veth, "PREFLIGHT": "0", **ONE_THREAD}
+        nodes.append(Launch(args, tmp_path, env, name=f"node{host.node_rank}", prefix=host.prefix))
+        launches.append(nodes[-1])
+    for node in nodes:
+        assert node.wait(RUN_TIMEOUT_S) == 0, node.output()[-4000:]
+    assert hosts[0].bytes_through_link() > 2 ** 16  # the stages' gradients crossed between the hosts
+    summary = read_summary(tmp_path / "runs")
+    assert summary["global_step"] == 20 and summary["world_size"] == 4 and summary["samples_seen"] == 320, summary
+    staged = sharded.full_model_state(list_checkpoints(tmp_path / "checkpoints")[0])
+    reference = final_params(accumulated / "checkpoints")
+    assert set(staged) == set(reference)
+    worst = max(float(((staged[name] - value).abs() / value.abs().clamp_min(1e-3)).max())
+                for name, value in reference.items())
+    for name, value in reference.items():
+        torch.testing.assert_close(staged[name], value, rtol=1e-5, atol=1e-6, msg=f"{name}: worst {worst}")

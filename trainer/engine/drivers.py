@@ -207,7 +207,7 @@ class Staged(Replicated):
         scale = self.microbatches * self.accum
         strategy.loss_fn = lambda output, target: loss_fn(output, target) / scale
         with autocast():
-            losses = strategy.stage.step(inputs, targets)
+            losses = strategy.stage.step(inputs, targets, sync=strategy.boundary)
         if not losses:
             record(torch.zeros((), device=inputs.device))
             return None

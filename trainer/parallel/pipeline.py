@@ -192,8 +192,14 @@ def cut(model: nn.Module, example, points: list[str], training: bool = True) -> 
 class Stage:
     """This rank's stage (its pieces of the model, layout.pieces) and the schedule that runs it: one call of step()
     trains one per-rank batch as M micro-batches through every stage of the replica (the first stage feeds the inputs,
-    the last computes the loss), leaving each piece's gradients in its parameters; with D replicas they are averaged
-    over the stage's replicas on the last micro-batch's backward (DistributedDataParallel over the replica group)."""
+    the last computes the loss), leaving each piece's gradients in its parameters; with D replicas, a step's last call
+    (sync=True) averages them over the stage's replicas and gives every replica the first's buffers (BatchNorm's
+    running statistics), as DistributedDataParallel would.
+
+    Why not DistributedDataParallel over the replica group: its reducer learns the order of the gradients in its first
+    step and checks it against every parameter's hook; a schedule that runs two forwards of a stage before its first
+    backward (GPipe always, 1F1B whenever M <= P) hands it twice the parameters and it stops (an internal assert). The
+    average here waits for the schedule's last backward, and sums in the same order on every replica."""
 
     def __init__(self, modules: list[nn.Module], layout: Layout, schedule: str, microbatches: int, loss_fn, device,
                  pipeline_group, replica_group=None, evaluation: list[nn.Module] | None = None):
@@ -217,17 +223,14 @@ class Stage:
         self.evaluating, self.size = None, None  # evaluate()'s schedule (forward only: no loss), its batch size
         if evaluation is not None:
             self.evaluating = scheduled(ScheduleGPipe if layout.chunks == 1 else kind, evaluation)
-        if replica_group is not None and layout.replicas > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            modules = [DistributedDataParallel(module, process_group=replica_group) for module in modules]
+        self.replica_group = replica_group if layout.replicas > 1 else None
         # The loss of each micro-batch is divided here (scale_grads=False): the schedule's own division would also
         # divide gradients accumulated over several steps' worth of batches (grad_accum).
         self.schedule = scheduled(kind, modules, loss_fn=loss_fn, scale_grads=False)
 
-    def step(self, inputs, targets) -> list:
+    def step(self, inputs, targets, sync: bool = True) -> list:
         """One per-rank batch forward and backward; the last stage's micro-batch losses (as loss_fn returned them),
-        [] on the other stages."""
+        [] on the other stages. sync: the step's last batch (its gradients are averaged over the replicas)."""
         losses: list = []
         if self.layout.first and self.layout.last:
             self.schedule.step(inputs, target=targets, losses=losses)
@@ -235,7 +238,37 @@ class Stage:
             self.schedule.step(inputs)
         else:
             self.schedule.step(target=targets if self.layout.last else None, losses=losses)
+        if sync and self.replica_group is not None:
+            self.average()
         return losses
+
+    def average(self, bucket: int = 1 << 22) -> None:
+        """The gradients averaged over the stage's replicas, in buckets of up to `bucket` elements (one flat copy at a
+        time); the buffers (floating point) set to the first replica's."""
+        import torch
+        import torch.distributed as dist
+
+        params = [p for module in self.modules for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused in this step on this replica: it adds nothing to the sum
+                p.grad = torch.zeros_like(p)
+        start, size = 0, self.layout.replicas
+        while start < len(params):
+            end, count = start, 0
+            while end < len(params) and (count == 0 or count + params[end].numel() <= bucket):
+                count, end = count + params[end].numel(), end + 1
+            grads = [p.grad for p in params[start:end]]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.replica_group)
+            flat /= size
+            for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(part.view_as(grad))
+            start = end
+        first = dist.get_global_rank(self.replica_group, 0)
+        for module in self.modules:
+            for buffer in module.buffers():
+                if buffer.is_floating_point() or buffer.dtype == torch.long:
+                    dist.broadcast(buffer, first, group=self.replica_group)
 
     def evaluate(self, inputs):
         """A batch through the stages in evaluation mode, no gradients: the model's output on the last stage (the
@@ -284,6 +317,7 @@ class PipelineStrategy:
         self.stage: Stage | None = None
         self.loss_fn = None  # the running micro-batch's loss function (the schedule's is fixed when it is built)
         self.wrapped = None
+        self.boundary = True  # the running micro-batch ends an optimizer step (no_sync's)
 
     def wrap(self, model: nn.Module, memory_format=None, example=None, **ddp_options) -> nn.Module:
         """Cut the model in place to this rank's stage (example: one batch's inputs, to trace it with) and build the
@@ -313,9 +347,19 @@ class PipelineStrategy:
         return model
 
     def no_sync(self, boundary: bool):
+        """The micro-batch's context: whether its schedule's step ends the optimizer step (its gradients are then
+        averaged over the replicas, Stage.step's sync)."""
         import contextlib
 
-        return contextlib.nullcontext()  # the schedule syncs a stage's replicas on a batch's last backward
+        @contextlib.contextmanager
+        def marked():
+            self.boundary = boundary
+            try:
+                yield
+            finally:
+                self.boundary = True
+
+        return marked()
 
     def compiled(self, forward):
         return forward
