@@ -219,3 +219,28 @@ def test_gpu_quick_rehearsed_on_the_cpu_writes_every_part_and_keeps_what_a_cut_w
         for run in part["runs"].values():
             if run["status"] == "timed out":
                 assert run["log_tail"], run
+
+
+def test_bench_pipeline_measures_the_bubble_against_the_formula_and_the_state_per_rank_against_ddp(tmp_path):
+    """bench.pipeline's two tables, from real runs of two stages (tiny here): each cell's step time, the busiest
+    stage's time alone and the bubble they give, beside (P - 1) / (M + P - 1); and each rank's parameter, gradient and
+    optimizer bytes under ddp and cut into two stages (the stages' together are ddp's one rank's)."""
+    done = subprocess.run([sys.executable, "-m", "bench.pipeline", "--microbatches", "2", "4", "--rounds", "1",
+                           "--steps", "2", "--width", "32", "--layers", "1", "--schedules", "1f1b",
+                           "--memory-model", "cnn", "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(tmp_path.glob("pipeline-*.json")).read_text())
+    bubble = result["bubble"]
+    assert set(bubble) == {"1f1b@2", "1f1b@4"}
+    assert bubble["1f1b@2"]["formula"] == pytest.approx(1 / 3) and bubble["1f1b@4"]["formula"] == pytest.approx(0.2)
+    for cell in bubble.values():
+        assert 0 < cell["alone_s"] and 0 < cell["step_s"] and cell["bubble"] == pytest.approx(
+            1 - cell["alone_s"] / cell["step_s"], abs=0.5)  # medians of per-step ratios, not the ratio of medians
+    memory = result["memory"]
+    ddp, staged = memory["ddp"], memory["pipeline"]
+    assert len(ddp) == len(staged) == 2 and ddp[0] == ddp[1]
+    assert sum(rank["params"] for rank in staged) == ddp[0]["params"] > 0
+    assert all(rank["grads"] == rank["params"] == rank["optimizer"] for rank in staged)  # SGD with momentum
+    assert 0.5 <= memory["largest_stage_over_ddp"] < 1
+    assert "| 2 stages | 1 |" in next(tmp_path.glob("pipeline-*.md")).read_text()
