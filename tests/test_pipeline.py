@@ -229,7 +229,8 @@ def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_acc
                                                                                          schedule):
     """Issue 42's goal at P = 2: the weights after 20 steps (each of 16 samples, cut into 4 pipeline micro-batches)
     are those of one process accumulating the same micro-batches, bit for bit; the checkpoint is the unsplit
-    model's state dict (a DCP directory of both stages' parts); the loss falls; one summary.json."""
+    model's state dict (a DCP directory of both stages' parts), which trainer-export writes as one plain state dict;
+    the loss falls; one summary.json."""
     train_ok([*PIPELINE_RUN, *TWO_STAGES, "--pipeline-schedule", schedule, *dirs_args(tmp_path)], tmp_path, nproc=2,
              env=ONE_THREAD)
     staged = sharded.full_model_state(list_checkpoints(tmp_path / "checkpoints")[0])
@@ -237,6 +238,14 @@ def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_acc
     assert set(staged) == set(reference)
     different = [name for name in reference if not torch.equal(staged[name], reference[name])]
     assert not different, different
+    if schedule == "1f1b":  # trainer-export: the stages' directory as the whole model's plain state dict
+        exported = tmp_path / "model.pt"
+        done = subprocess.run([sys.executable, "-m", "trainer.cli.export", str(tmp_path / "checkpoints"),
+                               str(exported)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+        plain = torch.load(exported, weights_only=True)
+        assert set(plain) == set(reference) and all(torch.equal(plain[name], reference[name]) for name in reference)
     summary, expected = read_summary(tmp_path / "runs"), read_summary(accumulated / "runs")
     assert summary["global_step"] == 20 and summary["samples_seen"] == expected["samples_seen"] == 320
     # The logged loss: the pipeline's sums its micro-batches' shares, the accumulation averages them (float rounding).

@@ -102,6 +102,25 @@ def test_two_compose_projects_train_as_one_world_of_four(make_project):
     assert "NODE_RANK 0 host" in nodes[1].logs("summary-cpu")
 
 
+def test_the_cpu_profile_trains_the_model_cut_into_two_pipeline_stages(make_project):
+    """TRAIN_PIPELINE_STAGES=2 in the cpu profile's two processes: one replica of the cnn's two stages (the demo's
+    model); the run completes, validates through the stages and checkpoints the unsplit model (a directory of both
+    stages' parts)."""
+    project = make_project("pipeline")
+    project.env.update(TRAIN_PIPELINE_STAGES="2", TRAIN_SYNTHETIC_SIZE="1024", TRAIN_EPOCHS="1",
+                       TRAIN_CHECKPOINT_EVERY="0")
+    project.up_attached(profile=("cpu",))
+    state = project.wait_exit("trainer-cpu", timeout=600)
+    logs = project.logs("trainer-cpu")
+    assert state["ExitCode"] == 0, logs[-3000:]
+    assert "2 pipeline stages x 1 replicas" in logs, logs[-3000:]
+    summary = project.summary()
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["global_step"] == 1024 // 32, summary  # each step one replica's 32 samples
+    assert summary["val_acc1"] is not None, summary
+    assert [path for path in project.checkpoints.glob("step-*") if path.is_dir()], "no checkpoint directory"
+
+
 @pytest.mark.parametrize("files", [(), (MULTINODE_FILE,)], ids=["compose.yaml", "compose.multinode.yaml"])
 def test_user_code_in_src_dir_is_importable_in_the_trainer(make_project, tmp_path, files):
     # SRC_DIR -> /workspace/src (read-only) on the image's PYTHONPATH: what TRAIN_MODEL=mymodels:build needs.
