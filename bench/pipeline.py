@@ -97,7 +97,8 @@ def bubble_cell(args: argparse.Namespace, ctx, schedule: str, m: int) -> dict:
     stage = Stage([piece], layout, schedule, m, lambda out, target: loss_fn(out, target) / m, ctx.device,
                   *groups(layout))
     inputs, targets = torch.randn(b * m, args.width), torch.randn(b * m, args.width)
-    alone_inputs = torch.randn(b, args.width)
+    # A later stage's input arrives wanting its gradient (which the stage computes and sends back): alone too.
+    alone_inputs = torch.randn(b, args.width, requires_grad=not layout.first)
 
     def alone() -> float:
         """This stage's M forwards and backwards with nothing to wait for."""
