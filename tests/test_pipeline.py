@@ -71,6 +71,24 @@ def test_resnet50_cut_in_two_keeps_at_most_six_tenths_of_its_parameters_in_eithe
         assert torch.equal(out, model(x))
 
 
+@pytest.mark.parametrize("name, options, expected", [
+    ("vit_b_16", {"image_size": 32}, ["encoder.layers.encoder_layer_6"]),  # the class token and the positions: stage 0
+    ("vgg11", {}, ["classifier.3"]),  # the convolutions and the first of the classifier's 102 M weights: stage 0
+])
+def test_a_vit_and_a_vgg_are_cut_where_their_parameters_balance_and_their_stages_are_their_forward(name, options,
+                                                                                                  expected):
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(num_classes=10, **options).eval()
+    points = split_points(model, 2, "", "--pipeline-split", name)
+    assert points == expected
+    x = torch.randn(2, 3, 32, 32)
+    first, second = cut(model, x, points, training=False)
+    with torch.no_grad():
+        middle = first(x)
+        out = second(*middle) if isinstance(middle, tuple) else second(middle)
+        assert torch.equal(out[0] if isinstance(out, tuple) else out, model(x))
+
+
 @pytest.mark.parametrize("given, stages, problem, fix", [
     ("layer3,layer4", 2, "2 names for 2 stages", "name the 1 modules"),
     ("layer5", 2, "'layer5' is not a module of resnet18", "did you mean layer"),
