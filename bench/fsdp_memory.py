@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.results import RESULTS
+from bench.results import RESULTS, ran_as_worker, worker_env
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -129,8 +129,8 @@ def run_once(model: str, strategy: str, nproc: int, args: argparse.Namespace, wo
                "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                f"--trainer-args={args.trainer_args}", f"--fsdp-args={args.fsdp_args}"]
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=workdir, env=worker_env(os.environ.get("OMP_NUM_THREADS", "1")),
+                          capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         if args.keep_going:
@@ -175,15 +175,9 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.cli.scale import prepare_out
-    from trainer.core.errors import exit_on_usage_error
-
     args = parse_args(argv)
-    if args.worker:
-        worker(args)
+    if ran_as_worker(args, worker):
         return 0
-    with exit_on_usage_error():
-        prepare_out(args.out)
     runs = []
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(args.rounds):  # interleaved: a noisy neighbour weighs on every cell alike

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.results import RESULTS, describe_machine, now, write_results
+from bench.results import RESULTS, describe_machine, now, ran_as_worker, worker_env, write_results
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -198,10 +198,7 @@ def run_once(args: argparse.Namespace, workdir: Path, kind: str, round_: int) ->
                "--memory-image-size", str(args.memory_image_size), "--memory-steps", str(args.memory_steps),
                "--schedules", *args.schedules, "--microbatches", *map(str, args.microbatches)]
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
-    repo = str(Path(__file__).resolve().parents[1])  # bench/ is the checkout's, not an installed package's
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=workdir, env=worker_env(str(args.threads)), capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"error: bench.pipeline: the {kind} run exited {done.returncode}")
@@ -243,22 +240,19 @@ def summarise(args: argparse.Namespace, runs: list[dict]) -> tuple[dict, str]:
     return summary, "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from trainer.cli.scale import prepare_out
-    from trainer.core.errors import exit_on_usage_error
-
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    with exit_on_usage_error():
-        prepare_out(args.out)
-    runs = []
+def measured(args: argparse.Namespace) -> list[dict]:
+    """Every round's bubble cells (interleaved: a noisy neighbour weighs on every cell alike), then the memory counts
+    once (the bytes do not vary between rounds)."""
     with tempfile.TemporaryDirectory() as workdir:
-        for round_ in range(1, args.rounds + 1):  # interleaved: a noisy neighbour weighs on every cell alike
-            runs.append(run_once(args, Path(workdir), "bubble", round_))
-        if args.memory_model:  # the byte counts do not vary between rounds
-            runs.append(run_once(args, Path(workdir), "memory", 1))
+        runs = [run_once(args, Path(workdir), "bubble", round_) for round_ in range(1, args.rounds + 1)]
+        return runs + ([run_once(args, Path(workdir), "memory", 1)] if args.memory_model else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if ran_as_worker(args, worker):
+        return 0
+    runs = measured(args)
     summary, table = summarise(args, runs)
     command = shlex.join(["python", "-m", "bench.pipeline", *(sys.argv[1:] if argv is None else argv)])
     header = {"command": command, "machine": describe_machine(), "date": now()}

@@ -32,6 +32,28 @@ def now() -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
 
 
+def worker_env(threads: str) -> dict[str, str]:
+    """The environment of a bench command's own torchrun, started in a scratch folder: this checkout's bench/ on the
+    path (it is not an installed package), OMP_NUM_THREADS as given."""
+    repo = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "OMP_NUM_THREADS": threads,
+            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+
+
+def ran_as_worker(args, worker) -> bool:
+    """A bench command's start: under its own torchrun (args.worker set) run the one worker and say so; otherwise
+    make --out ready before any run (a bad --out costs no measurement)."""
+    from trainer.cli.scale import prepare_out
+    from trainer.core.errors import exit_on_usage_error
+
+    if args.worker:
+        worker(args)
+        return True
+    with exit_on_usage_error():
+        prepare_out(args.out)
+    return False
+
+
 def write_results(out: Path, prefix: str, header: dict, runs: list, summary: dict, table: str) -> None:
     """<out>/<prefix>-<time>.md (the table) and .json (header, every run, the summary), then say where."""
     out.mkdir(parents=True, exist_ok=True)  # made, not refused: the measurement is done by now
