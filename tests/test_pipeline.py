@@ -284,6 +284,28 @@ def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_acc
     assert losses[-1] < losses[0], losses
 
 
+def test_the_recipe_at_two_stages_clips_by_the_whole_models_norm_and_mixes_alike_on_every_stage(tmp_path):
+    """--clip-grad-norm with pipeline stages: the norm is the whole model's (each stage's squared norm summed over
+    the stages), so every stage clips by the same factor, as one process does. --mixup-alpha: the first stage's inputs
+    and the last stage's targets are mixed by the same draw (keyed by the replica, not the rank). 10 steps, clipped at
+    every one: the weights and the logged Grad/norm are one process's training the same batches, within 1e-5 (the
+    gradient and the norm sum in another order)."""
+    clip = ["--clip-grad-norm", "0.01", "--mixup-alpha", "0.4", "--max-steps", "10", "--log-every", "1"]
+    runs = {}
+    # One process trains each step's 16 samples at once: mixup draws once per loop micro-batch, and the stages'
+    # loop micro-batch is the 16 (the pipeline's four are cut after the mix).
+    for name, layout, nproc in (("one", ["--batch-size", "16"], 1), ("staged", TWO_STAGES, 2)):
+        root = tmp_path / name
+        train_ok([*PIPELINE_RUN, *layout, *clip, *dirs_args(root)], tmp_path, nproc=nproc, env=ONE_THREAD)
+        state = list_checkpoints(root / "checkpoints")[0]
+        runs[name] = (model_state(state), [value for _, value in read_scalars(root / "runs")["Grad/norm"]])
+    (one, one_norms), (staged, staged_norms) = runs["one"], runs["staged"]
+    assert len(one_norms) == 10 and min(one_norms) > 0.01  # it clipped at every step
+    assert staged_norms == pytest.approx(one_norms, rel=1e-5)
+    for name, value in one.items():
+        torch.testing.assert_close(staged[name], value, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("args, setting, problem", [
     (["--pipeline-stages", "3"], "--pipeline-stages", "3 stages do not divide world size 2"),
     (["--pipeline-stages", "2", "--batch-size", "6", "--pipeline-microbatches", "4"], "--pipeline-microbatches",

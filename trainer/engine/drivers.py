@@ -197,6 +197,11 @@ class Staged(Replicated):
     def sampler_place(self) -> tuple[int, int]:
         return self.replica, self.members.largest
 
+    def shares(self) -> list[int]:
+        """Mixup's and cutmix's draws are keyed by the replica, not the rank: the stages of a replica mix the same
+        batch alike (the first stage's inputs and the last's targets, one draw)."""
+        return [self.replica]
+
     def forward_backward(self, strategy, forward, inputs, targets, loss_fn, autocast, backward, record):
         """The schedule over the micro-batch: each pipeline micro-batch's loss / (its count x grad_accum) is what the
         backward starts from, so a step's gradients are those of the replicated step. The last stage keeps the

@@ -42,14 +42,26 @@ def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: f
                      for kind, decay in (("norm", norm_weight_decay), ("bias", bias_weight_decay))]
 
 
-def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float, across=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the optimizer's parameters (the reference clips those): the total L2
     norm before clipping, on the device (no host sync). Call it on unscaled gradients (fp16: after the scaler's
     unscale_). Under fsdp the gradients are DTensor shards and clip_grad_norm_'s norm is a DTensor reduced over
-    every shard: the same global norm as ddp's, returned here as a plain tensor."""
+    every shard: the same global norm as ddp's, returned here as a plain tensor. across: a process group whose
+    members hold the model's other parameters (pipeline stages): the norm is the whole model's, the root of the sum
+    of every member's squared norm, and every member clips with it (each stage's own norm would clip each part of
+    the model by another factor)."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if across is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    import torch.distributed as dist
+
+    mine = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    squared = (mine.full_tensor() if hasattr(mine, "full_tensor") else mine).float() ** 2
+    dist.all_reduce(squared, group=across)
+    norm = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

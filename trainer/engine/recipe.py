@@ -41,13 +41,15 @@ class Recipe:
         self._mixer: MixUpCutMix | None = None
         self._mixed = 0         # mixup_cutmix() calls in this step: each micro-batch's own draw
         self._clipped = False   # clip_gradients() was called in this step
+        self.norm_group = None  # the strategy's: the group the gradient norm is summed over (pipeline stages)
 
     # ------------------------------------------------------------------ clipping
     def clip_gradients(self, optimizer, max_norm: float | None = None):
         """run.clip_gradients() once in-place recovery (if any) has summed the step's gradients: the scaler's
         unscale_, then clip_grad_norm_; the norm before clipping, logged as Grad/norm."""
         self._scaler.unscale_(optimizer)
-        norm = optim.clip_gradients(optimizer, max_norm if max_norm is not None else self.settings.clip_grad_norm)
+        norm = optim.clip_gradients(optimizer, max_norm if max_norm is not None else self.settings.clip_grad_norm,
+                                    self.norm_group)
         self._observers.record_grad_norm(norm)
         self._clipped = True
         return norm

@@ -132,7 +132,7 @@ class Run:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
             memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
             self._wrapped = self.strategy.wrap(model, memory_format, **ddp_options)
-        self._model = model
+        self._model, self._recipe.norm_group = model, self.strategy.norm_group
         self._names = (self._names[0] or name, self._names[1])
         with exit_on_usage_error():
             forward = self._driver.forward(self._wrapped, self.position, self.total_steps, cfg)

@@ -359,6 +359,7 @@ class PipelineStrategy:
         self.loss_fn = None  # the running micro-batch's loss function (the schedule's is fixed when it is built)
         self.wrapped = None
         self.boundary = True  # the running micro-batch ends an optimizer step (no_sync's)
+        self.norm_group = None  # the replica's stages, once wrap() made the groups: the norm is summed over them
 
     def wrap(self, model: nn.Module, memory_format=None, example=None, **ddp_options) -> nn.Module:
         """Cut the model in place to this rank's stage (example: one batch's inputs, to trace it with) and build the
@@ -381,6 +382,7 @@ class PipelineStrategy:
 
         # The run's collective timeout, as the world's group has it (new_group's own default is torch's 30 min).
         pipeline_group, replica_group = groups(self.layout, timedelta(seconds=self.cfg.collective_timeout))
+        self.norm_group = pipeline_group
         self.stage = Stage(training, self.layout, self.cfg.pipeline_schedule, self.cfg.pipeline_microbatches,
                            lambda output, target: self.loss_fn(output, target), self.ctx.device, pipeline_group,
                            replica_group, evaluation)

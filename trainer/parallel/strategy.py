@@ -93,6 +93,10 @@ class Strategy:
     """--strategy ddp, and the interface fsdp shares: wrap the model, skip gradient sync between
     accumulated micro-batches, compile."""
 
+    # The group over which the model's gradient norm is summed (clipping): None, each process holds every parameter
+    # or (fsdp) a DTensor shard whose norm is reduced already; pipeline stages: the stages of a replica.
+    norm_group = None
+
     def __init__(self, cfg: TrainConfig, ctx: DistContext, blocks: list[nn.Module], replicate: bool | None = None):
         self.cfg, self.ctx, self.blocks = cfg, ctx, blocks
         self.wrapped: nn.Module | None = None
