@@ -284,6 +284,41 @@ def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_acc
     assert losses[-1] < losses[0], losses
 
 
+def test_fsdp_over_the_replicas_of_two_stages_trains_and_validates_as_one_process(tmp_path):
+    """--strategy fsdp at P = 2 x D = 2: each stage's pieces sharded over its two replicas (FSDP2 over the stage's
+    replica group, the gradients reduce-scattered), the evaluation pieces gathered whole for validation. One epoch
+    of 20 steps, validated at its end: the weights (a DCP directory of the shards) and the validation's loss and
+    accuracy are one process's accumulating the same micro-batches, within 1e-5. The validation samples are the
+    replica's on each of its stages (the first stage's inputs, the last stage's targets), and a replica with fewer
+    batches than the other does not wait for it. Its step-10 checkpoint resumed at two stages of one replica ends
+    there too."""
+    # lr 0.05: the cnn is unstable at 0.1 (compose.yaml), and an unstable run turns the sums' rounding into 1e-4.
+    # 325 samples: 20 steps of 16, and 65 to validate, 33 on one replica (5 batches of 8) and 32 on the other (4).
+    epoch = ["--synthetic-size", "325", "--val-every", "1", "--lr", "0.05"]
+    roots = {name: tmp_path / name for name in ("one", "fsdp")}
+    train_ok([*PIPELINE_RUN, *epoch, *ONE_PROCESS, *dirs_args(roots["one"])], tmp_path, nproc=1, env=ONE_THREAD)
+    train_ok([*PIPELINE_RUN, *epoch, "--batch-size", "8", "--pipeline-stages", "2", "--pipeline-microbatches", "2",
+              "--strategy", "fsdp", "--checkpoint-every", "10", *dirs_args(roots["fsdp"])], tmp_path, nproc=4,
+             env=ONE_THREAD)
+    # Its step-10 directory of shards, resumed at two stages of one replica (ddp): another layout, the same run.
+    middle = next(path for path in (roots["fsdp"] / "checkpoints").iterdir() if path.name.startswith("step-00000010"))
+    (tmp_path / "from").mkdir()
+    shutil.copytree(middle, tmp_path / "from" / middle.name)
+    roots["resumed"] = tmp_path / "resumed"
+    train_ok([*PIPELINE_RUN, *epoch, *TWO_STAGES, "--resume", str(tmp_path / "from" / middle.name),
+              *dirs_args(roots["resumed"])], tmp_path, nproc=2, env=ONE_THREAD)
+    one, sharded_run, resumed = (model_state(list_checkpoints(root / "checkpoints")[0]) for root in roots.values())
+    assert set(one) == set(sharded_run) == set(resumed)
+    for name, value in one.items():
+        torch.testing.assert_close(sharded_run[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6)
+    assert read_summary(roots["resumed"] / "runs")["resumed_from_step"] == 10
+    expected, summary = (read_summary(roots[name] / "runs") for name in ("one", "fsdp"))
+    assert summary["world_size"] == 4 and summary["global_step"] == expected["global_step"] == 20
+    assert summary["val_acc1"] == expected["val_acc1"] and summary["val_loss"] == pytest.approx(expected["val_loss"],
+                                                                                                rel=1e-5)
+
+
 def test_the_recipe_at_two_stages_clips_by_the_whole_models_norm_and_mixes_alike_on_every_stage(tmp_path):
     """--clip-grad-norm with pipeline stages: the norm is the whole model's (each stage's squared norm summed over
     the stages), so every stage clips by the same factor, as one process does. --mixup-alpha: the first stage's inputs
@@ -311,7 +346,8 @@ def test_the_recipe_at_two_stages_clips_by_the_whole_models_norm_and_mixes_alike
     (["--pipeline-stages", "2", "--batch-size", "6", "--pipeline-microbatches", "4"], "--pipeline-microbatches",
      "4 does not divide the 6 samples per process"),
     (["--pipeline-stages", "2", "--local-sgd-period", "4"], "--local-sgd-period", "averages whole models"),
-    (["--pipeline-stages", "2", "--strategy", "fsdp"], "--strategy", "fsdp within pipeline stages"),
+    (["--pipeline-stages", "2", "--strategy", "fsdp", "--fsdp-cpu-offload"], "--fsdp-cpu-offload",
+     "offloads the whole model's shards"),
     (["--pipeline-stages", "2", "--pipeline-split", "features.3,head"], "--pipeline-split", "2 names for 2 stages"),
     (["--pipeline-stages", "2", "--pipeline-split", "feature.6"], "--pipeline-split",
      "'feature.6' is not a module of cnn (did you mean features.6?"),
@@ -322,7 +358,7 @@ def test_the_recipe_at_two_stages_clips_by_the_whole_models_norm_and_mixes_alike
      "more"),
     (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved-1f1b", "--pipeline-microbatches", "5",
       "--batch-size", "10"], "--pipeline-microbatches", "interleaved-1f1b runs 5 micro-batches in 2 rounds"),
-], ids=["stages do not divide the world", "micro-batches do not divide the batch", "local SGD", "fsdp",
+], ids=["stages do not divide the world", "micro-batches do not divide the batch", "local SGD", "fsdp's offload",
         "a split of the wrong length", "a split that is no module", "a split at an activation",
         "interleaved with one piece per stage", "interleaved micro-batches out of rounds"])
 def test_pipeline_mistakes_are_one_line_and_exit_2_with_nothing_written(tmp_path, args, setting, problem):

@@ -761,6 +761,7 @@ NOT_WITH_PIPELINE = (
     ("sync_bn", "synchronises BatchNorm over every process"),
     ("compile", "compiles the whole model"),
     ("activation_checkpointing", "recomputes the whole model's blocks"),
+    ("fsdp_cpu_offload", "offloads the whole model's shards"),
 )
 
 
@@ -776,9 +777,6 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
         if getattr(cfg, name):
             raise UsageError(setting(name), f"{what}, and each of the {stages} pipeline stages holds a part of it",
                              f"drop it, or use {setting('pipeline_stages')} 1")
-    if cfg.strategy == "fsdp":
-        raise UsageError(setting("strategy"), "fsdp within pipeline stages is not built yet: each stage is "
-                         "replicated over the data-parallel processes as ddp does", f"use {setting('strategy')} ddp")
     if cfg.amp == "fp16":
         raise UsageError(setting("amp"), "fp16's loss scaler skips an overflowing step on the process that sees it, "
                          "and pipeline stages must skip together", "use bf16")

@@ -396,8 +396,8 @@ class Batches:
         else:  # no padding: padded duplicates would be counted twice in the metrics
             # A replica's shard: a pipeline's stages all read it (the first takes the inputs, the last the targets).
             stages = cfg.pipeline_stages
-            shard = list(range(self.ctx.rank // stages, self.size, self.ctx.world_size // stages))
-            self.num_batches = -(-len(shard) // self.batch_size)
+            self.shard = list(range(self.ctx.rank // stages, self.size, self.ctx.world_size // stages))
+            self.num_batches = -(-len(self.shard) // self.batch_size)
 
     def epoch(self, epoch: int, start_batch: int = 0, stop_batch: int | None = None) -> "Sized | Epoch":
         """Batches [start_batch, stop_batch) of this rank's part of the epoch, as (inputs, labels); len() is their
@@ -408,8 +408,7 @@ class Batches:
         if self.train:
             self.sampler.set_epoch(epoch, start_batch, stop_batch)
             return Epoch(self, self.sampler)
-        indices = batch_range(list(range(self.ctx.rank, self.size, self.ctx.world_size)), self.batch_size,
-                              start_batch, stop_batch)
+        indices = batch_range(self.shard, self.batch_size, start_batch, stop_batch)
         return Sized(self._batches(epoch, indices), -(-len(indices) // self.batch_size))
 
     def _batches(self, epoch: int, indices: list[int]) -> Iterator:

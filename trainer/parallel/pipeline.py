@@ -265,6 +265,10 @@ class Stage:
         if evaluation is not None:
             self.evaluating = scheduled(ScheduleGPipe if layout.chunks == 1 else kind, evaluation)
         self.replica_group = replica_group if layout.replicas > 1 else None
+        self.sharded = False  # fsdp over the replicas (shard()): their reduce-scatter averages the gradients
+        self.whole: list[tuple] = []  # shard()'s (evaluation parameter, its sharded training parameter) pairs
+        self.gathered = False  # the evaluation pieces' parameters are whole now (gather_for_evaluation())
+        self.evaluation_modules = evaluation or []
         # The loss of each micro-batch is divided here (scale_grads=False): the schedule's own division would also
         # divide gradients accumulated over several steps' worth of batches (grad_accum).
         self.schedule = scheduled(kind, modules, loss_fn=loss_fn, scale_grads=False)
@@ -272,6 +276,8 @@ class Stage:
     def step(self, inputs, targets, sync: bool = True) -> list:
         """One per-rank batch forward and backward; the last stage's micro-batch losses (as loss_fn returned them),
         [] on the other stages. sync: the step's last batch (its gradients are averaged over the replicas)."""
+        if self.gathered:
+            self._empty_evaluation()
         losses: list = []
         if self.layout.first and self.layout.last:
             self.schedule.step(inputs, target=targets, losses=losses)
@@ -283,13 +289,49 @@ class Stage:
             self.average()
         return losses
 
+    def shard(self, model: nn.Module, device) -> None:
+        """fsdp over the replicas: each piece sharded over its stage's replica group (FSDP2's fully_shard; the
+        schedule's last backward reduce-scatters the gradients, averaged), the model's own parameters the sharded
+        ones (its optimizer and checkpoints see this rank's shards). The evaluation pieces are traced apart and hold
+        their own parameters: emptied here, gathered whole for a validation pass (gather_for_evaluation()), emptied
+        again at the next step."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(self.replica_group, device.type)
+        training = {}
+        for piece in self.modules:
+            fully_shard(piece, mesh=mesh)
+            for name, param in piece.named_parameters():
+                owner, _, leaf = name.rpartition(".")
+                model.get_submodule(owner)._parameters[leaf] = param
+                training[name] = param
+        self.whole = [(param, training[name]) for piece in self.evaluation_modules
+                      for name, param in piece.named_parameters()]
+        self._empty_evaluation()
+        self.sharded = True
+
+    def gather_for_evaluation(self) -> None:
+        """A validation pass begins: under fsdp the evaluation pieces' parameters gathered from the shards (every
+        replica of the stage calls this, as validation runs everywhere); step() empties them again."""
+        for param, sharded in self.whole:
+            param.data = sharded.detach().full_tensor()
+        self.gathered = bool(self.whole)
+
+    def _empty_evaluation(self) -> None:
+        import torch
+
+        for param, _ in self.whole:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.gathered = False
+
     def average(self, bucket: int = 1 << 22) -> None:
-        """The gradients averaged over the stage's replicas, in buckets of up to `bucket` elements (one flat copy at a
-        time); the buffers (floating point) set to the first replica's."""
+        """The gradients averaged over the stage's replicas (unless fsdp's reduce-scatter did), in buckets of up to
+        `bucket` elements (one flat copy at a time); the buffers (floating point) set to the first replica's."""
         import torch
         import torch.distributed as dist
 
-        params = [p for module in self.modules for p in module.parameters() if p.requires_grad]
+        params = [] if self.sharded else [p for module in self.modules for p in module.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # unused in this step on this replica: it adds nothing to the sum
                 p.grad = torch.zeros_like(p)
@@ -386,6 +428,8 @@ class PipelineStrategy:
         self.stage = Stage(training, self.layout, self.cfg.pipeline_schedule, self.cfg.pipeline_microbatches,
                            lambda output, target: self.loss_fn(output, target), self.ctx.device, pipeline_group,
                            replica_group, evaluation)
+        if self.cfg.strategy == "fsdp" and self.layout.replicas > 1:
+            self.stage.shard(model, self.ctx.device)
         self.wrapped = model
         return model
 
@@ -408,5 +452,7 @@ class PipelineStrategy:
         return forward
 
     def evaluation(self, module: nn.Module):
-        """A batch through the stages in evaluation mode: the output on the last stage, None on the others."""
+        """A batch through the stages in evaluation mode: the output on the last stage, None on the others (called
+        once per validation pass: under fsdp the evaluation pieces are gathered whole for it)."""
+        self.stage.gather_for_evaluation()
         return self.stage.evaluate

@@ -294,7 +294,10 @@ def evaluation_batches(model: nn.Module, batches: Iterable, count: int, ctx: Dis
     """Validation batches (`count` of them on this rank); under fsdp every forward is a collective, so a rank
     with fewer batches (the validation shards are not padded) runs forwards of its last batch, unused, until
     all are done."""
-    if not is_sharded(model):
+    if not is_sharded(model) or getattr(model, "pipeline_stage", None) is not None:
+        # Pipeline stages evaluate within their replica's stages alone (fsdp's evaluation pieces are gathered whole
+        # beforehand), so a replica with fewer batches waits for nothing; and their model is a part: it has no
+        # forward of its own to run a spare batch through.
         yield from batches
         return
     from trainer.parallel import collectives
