@@ -1,11 +1,11 @@
 """`python -m bench.pipeline`: pipeline stages' step time and idle share (the bubble) against GPipe's formula, and
 the training state each rank holds against ddp's.
 
-The bubble: P processes (default 2) run a model of 2 x --layers equal blocks (Linear and ReLU, --width wide) cut into
-P equal stages, through trainer.parallel.pipeline's Stage, for each schedule (gpipe, 1f1b) and each micro-batch count
+The bubble: P processes (default 2) run a model of P x --layers equal blocks (Linear and ReLU, --width wide) cut
+into P equal stages, through trainer.parallel.pipeline's Stage, for each schedule (gpipe, 1f1b) and each micro-batch count
 M (--microbatches, default 2 4 8), each micro-batch --microbatch-size samples. Every step is timed, and right after
-it each rank times its own stage's work alone: the same M forwards and backwards on the same shapes, with nothing
-to wait for. The measured bubble of a step is 1 - (the busiest stage's time alone) / (the step's time): the share of
+it each rank times its own stage's work alone: the same M forwards and backwards on the same shapes, in the
+schedule's order (gpipe's forwards all before its backwards), with nothing to wait for. The measured bubble of a step is 1 - (the busiest stage's time alone) / (the step's time): the share of
 the step in which even the busiest stage waited. It is set against (P - 1) / (M + P - 1), which assumes equal stages
 and free messages. Cells run interleaved (--rounds), medians reported.
 
@@ -15,7 +15,7 @@ after --memory-steps steps each rank counts the bytes of its parameters, gradien
 rank's over ddp's is the reason to use stages (issue 42's goal: at most 0.6 at P = 2).
 
     python -m bench.pipeline                                 # the table, written to bench/results/pipeline-*.md
-    python -m bench.pipeline --microbatches 2 4 8 --rounds 5 --steps 20
+    python -m bench.pipeline --rounds 5 --steps 8                 # docs/benchmarks.md's run
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=2, help="P: processes, one stage each")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], help="M: micro-batches per step")
-    parser.add_argument("--microbatch-size", type=int, default=64, help="samples per micro-batch")
-    parser.add_argument("--width", type=int, default=512, help="the blocks' width")
+    parser.add_argument("--microbatch-size", type=int, default=128, help="samples per micro-batch")
+    parser.add_argument("--width", type=int, default=1024, help="the blocks' width")
     parser.add_argument("--layers", type=int, default=4, help="blocks per stage")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per cell and round (after one untimed)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every cell")
@@ -100,16 +100,27 @@ def bubble_cell(args: argparse.Namespace, ctx, schedule: str, m: int) -> dict:
     # A later stage's input arrives wanting its gradient (which the stage computes and sends back): alone too.
     alone_inputs = torch.randn(b, args.width, requires_grad=not layout.first)
 
+    def forward():
+        out = piece(alone_inputs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def backward(out) -> None:
+        if layout.last:
+            (loss_fn(out, targets[:b]) / m).backward()
+        else:
+            out.backward(torch.ones_like(out))
+
     def alone() -> float:
-        """This stage's M forwards and backwards with nothing to wait for."""
+        """This stage's M forwards and backwards with nothing to wait for, in the schedule's order: gpipe's every
+        forward (their activations all held), then every backward; 1f1b's each forward followed by its backward
+        (the steady state, which holds at most P)."""
         started = time.perf_counter()
-        for _ in range(m):
-            out = piece(alone_inputs)
-            out = out[0] if isinstance(out, tuple) else out
-            if layout.last:
-                (loss_fn(out, targets[:b]) / m).backward()
-            else:
-                out.backward(torch.ones_like(out))
+        if schedule == "gpipe":
+            for out in [forward() for _ in range(m)]:
+                backward(out)
+        else:
+            for _ in range(m):
+                backward(forward())
         return time.perf_counter() - started
 
     times = []
