@@ -57,6 +57,33 @@ def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, li
     return False, args
 
 
+def check_the_cut(cfg) -> None:
+    """Pipeline stages of a built-in model: the model's fit (no loss of its own) and the cut (its split's names,
+    enough blocks for the stages) checked here, before any worker starts, on the model built on the meta device (no memory, no weights; torch imported for this
+    job alone). A user's model is checked by its workers: building it here would run its code twice."""
+    from trainer.config import catalog
+
+    if cfg.pipeline_stages == 1 or cfg.model not in catalog.MODELS:
+        return
+    import torch
+
+    from trainer.config.settings import flag_name
+    from trainer.data.images import builtin_spec
+    from trainer.engine.loop import recipe_fits
+    from trainer.engine.models import build_model
+    from trainer.parallel.pipeline import split_points
+
+    dataset = cfg.dataset if cfg.dataset in catalog.DATASETS else "synthetic"  # the cut depends on the layers, not
+    try:  # on the class count or image size the data will give: a nominal spec builds the same blocks
+        with torch.device("meta"):
+            model = build_model(cfg.model, builtin_spec(dataset, cfg.synthetic_image_size))
+    except UsageError:
+        return  # a model that cannot take this data: the workers say so, with the data they read
+    recipe_fits(cfg, model)  # a model with its own loss (compute_loss) has none a last stage could compute
+    split_points(model, cfg.pipeline_stages * cfg.pipeline_chunks, cfg.pipeline_split, flag_name("pipeline_split"),
+                 cfg.model, cfg.pipeline_chunks)
+
+
 def stopped_at_start(signum, _frame) -> None:
     """A stop before the agent takes the signals over (it does once torch is loaded): nothing has started."""
     print(f"stopped by {signal.Signals(signum).name} during start-up, before training began", file=sys.stderr,
@@ -77,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with exit_on_usage_error():
         env = launcher.with_dotenv(os.environ, *launcher.dotenv_file(args))
         launch = build_command(env, args, pick_port=not dry_run)
+        if launch.cfg is not None:
+            check_the_cut(launch.cfg)
         for line in [*launcher.grace_warnings(env, launch.settings.stop_grace), recovery_unused(env, launch.job)]:
             if line is not None:
                 print(line, file=sys.stderr, flush=True)
