@@ -90,7 +90,7 @@ def test_a_vit_and_a_vgg_are_cut_where_their_parameters_balance_and_their_stages
 
 
 @pytest.mark.parametrize("given, stages, problem, fix", [
-    ("layer3,layer4", 2, "2 names for 2 stages", "name the 1 modules"),
+    ("layer3,layer4", 2, "2 names for 2 stages", "name the 1 module that begins each stage after the first"),
     ("layer5", 2, "'layer5' is not a module of resnet18", "did you mean layer"),
     ("layer4,layer2", 3, "are not in the model's order", "in the order the model runs them"),
 ])
@@ -354,7 +354,7 @@ def test_the_recipe_at_two_stages_clips_by_the_whole_models_norm_and_mixes_alike
     (["--pipeline-stages", "2", "--pipeline-split", "features.7"], "--pipeline-split",
      "'features.7' holds no parameters, and a stage begins with weights (did you mean head?"),
     (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved-1f1b", "--pipeline-split", "features.3"],
-     "--pipeline-split", "1 names cut the model into 2 pieces, and interleaved-1f1b gives each of the 2 stages 2 or "
+     "--pipeline-split", "1 name cuts the model into 2 pieces, and interleaved-1f1b gives each of the 2 stages 2 or "
      "more"),
     (["--pipeline-stages", "2", "--pipeline-schedule", "interleaved-1f1b", "--pipeline-microbatches", "5",
       "--batch-size", "10"], "--pipeline-microbatches", "interleaved-1f1b runs 5 micro-batches in 2 rounds"),

@@ -113,7 +113,7 @@ def test_the_cpu_profile_trains_the_model_cut_into_two_pipeline_stages(make_proj
     state = project.wait_exit("trainer-cpu", timeout=600)
     logs = project.logs("trainer-cpu")
     assert state["ExitCode"] == 0, logs[-3000:]
-    assert "2 pipeline stages x 1 replicas" in logs, logs[-3000:]
+    assert "2 pipeline stages x 1 replica)" in logs, logs[-3000:]
     summary = project.summary()
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert summary["global_step"] == 1024 // 32, summary  # each step one replica's 32 samples

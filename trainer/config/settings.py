@@ -190,8 +190,9 @@ class TrainConfig:
                                   "(NPROC_PER_NODE a multiple of P keeps them on one host); 1: off")
     pipeline_schedule: str = option("1f1b", "pipeline stages' order of work: gpipe (every micro-batch's forward, then "
                                     "every backward), 1f1b (a forward, a backward: fewer activations held at once) or "
-                                    "interleaved-1f1b (each process holds 2 or more pieces of the model, P apart: a "
-                                    "smaller idle share for more messages; --pipeline-split names 2P - 1 or more)",
+                                    "interleaved-1f1b (each process holds V >= 2 pieces of the model, P apart: a "
+                                    "smaller idle share for more messages; --pipeline-split names V x P - 1, "
+                                    "default V = 2)",
                                     ("gpipe", "1f1b", "interleaved-1f1b"))
     pipeline_microbatches: int = option(4, "pipeline stages: the micro-batches each process's batch is cut into so "
                                         "that the stages work at once (the idle share of a step is (P - 1) / (M + "
@@ -772,7 +773,8 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
         return world_size
     if world_size % stages:
         raise UsageError(setting("pipeline_stages"), f"{stages} stages do not divide world size {world_size}",
-                         f"use a divisor of {world_size} (the world is the stages times the data-parallel replicas)")
+                         f"use a divisor of {world_size}, or another NPROC_PER_NODE: the world is the stages times "
+                         "the data-parallel replicas")
     for name, what in NOT_WITH_PIPELINE:
         if getattr(cfg, name):
             raise UsageError(setting(name), f"{what}, and each of the {stages} pipeline stages holds a part of it",
@@ -783,7 +785,8 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
     names = [name for name in cfg.pipeline_split.split(",") if name.strip()]
     if cfg.pipeline_schedule == "interleaved-1f1b":
         if names and ((len(names) + 1) % stages or (len(names) + 1) // stages < 2):
-            raise UsageError(setting("pipeline_split"), f"{len(names)} names cut the model into {len(names) + 1} "
+            raise UsageError(setting("pipeline_split"), f"{len(names)} name{'s' * (len(names) != 1)} cut"
+                             f"{'s' * (len(names) == 1)} the model into {len(names) + 1} "
                              f"pieces, and interleaved-1f1b gives each of the {stages} stages 2 or more, as many each",
                              f"name {2 * stages - 1}, {3 * stages - 1}... modules, or use "
                              f"{setting('pipeline_schedule')} 1f1b")
@@ -794,8 +797,8 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
                              "does not divide into", f"use a multiple of {stages}")
     elif names and len(names) != stages - 1:
         raise UsageError(setting("pipeline_split"), f"{len(names)} names for {stages} stages",
-                         f"name the {stages - 1} modules that begin the second stage onwards, comma-separated (or "
-                         "leave it empty for a balanced cut)")
+                         f"name the {stages - 1} module{'s' * (stages != 2)} that begin{'s' * (stages == 2)} each "
+                         "stage after the first, comma-separated; or leave it empty for a balanced cut")
     return world_size // stages
 
 

@@ -221,7 +221,8 @@ class Staged(Replicated):
         return loss
 
     def world_line(self) -> str:
-        return f"{self.members.world_size} ({self.stages} pipeline stages x {self.members.largest} replicas)"
+        replicas = self.members.largest
+        return f"{self.members.world_size} ({self.stages} pipeline stages x {replicas} replica{'s' * (replicas != 1)})"
 
 
 class Averaging(Replicated):

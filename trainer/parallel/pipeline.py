@@ -188,8 +188,9 @@ def split_points(model: nn.Module, stages: int, given: str, label: str, model_na
         return refined(model, found, stages)
     names = [name.strip() for name in given.split(",") if name.strip()]
     if len(names) != stages - 1:
-        raise UsageError(label, f"{len(names)} names for {stages} stages", f"name the {stages - 1} modules that "
-                         "begin the second stage onwards, comma-separated (or leave it empty for a balanced cut)")
+        raise UsageError(label, f"{len(names)} names for {stages} stages", f"name the {stages - 1} module"
+                         f"{'s' * (stages != 2)} that begin{'s' * (stages == 2)} each stage after the first, "
+                         "comma-separated; or leave it empty for a balanced cut")
     modules = dict(model.named_modules())
     order = list(modules)
     for name in names:
@@ -418,6 +419,12 @@ class PipelineStrategy:
         micro = example[:max(1, len(example) // self.cfg.pipeline_microbatches)].to(self.ctx.device)
         training, evaluation = ([pieces[index] for index in self.layout.pieces] for pieces in
                                 (cut(model, micro, points), cut(model, micro, points, training=False)))
+        if self.ctx.is_main:  # which cut, which schedule: the start line says only how many stages
+            import logging
+
+            logging.getLogger("trainer").info(
+                "pipeline: %s, %d micro-batches per batch, %d pieces cut before %s", self.cfg.pipeline_schedule,
+                self.cfg.pipeline_microbatches, self.layout.stages * self.layout.chunks, ", ".join(points))
         keep_only(model, training)
         model.pipeline_stage = self.layout.stage  # a part of the model: trainer.parallel.strategy.is_sharded
         from datetime import timedelta
