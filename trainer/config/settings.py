@@ -88,7 +88,8 @@ class TrainConfig:
     ra_reps: int = option(3, "--ra-sampler: the copies of each sample")
     # How long.
     epochs: int = option(5, "passes over the training data")
-    max_steps: int = option(0, "stop after this many optimizer steps (0: no limit)")
+    max_steps: int = option(0, "stop after this many optimizer steps, the LR schedule ending there too (a later run "
+                            "without it resumes on the whole schedule's LR); 0: no limit")
     # Batch and optimizer.
     batch_size: int = option(64, "samples per process per micro-batch")
     global_batch_size: int = option(0, "samples per optimizer step over all processes (0: use --batch-size)")
