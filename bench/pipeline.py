@@ -2,11 +2,12 @@
 the training state each rank holds against ddp's.
 
 The bubble: P processes (default 2) run a model of P x --layers equal blocks (Linear and ReLU, --width wide) cut
-into P equal stages, through trainer.parallel.pipeline's Stage, for each schedule (gpipe, 1f1b) and each micro-batch count
-M (--microbatches, default 2 4 8), each micro-batch --microbatch-size samples. Every step is timed, and right after
-it each rank times its own stage's work alone: the same M forwards and backwards on the same shapes, in the
-schedule's order (gpipe's forwards all before its backwards), with nothing to wait for. The measured bubble of a step is 1 - (the busiest stage's time alone) / (the step's time): the share of
-the step in which even the busiest stage waited. It is set against (P - 1) / (M + P - 1), which assumes equal stages
+into P equal stages, through trainer.parallel.pipeline's Stage, for each schedule (gpipe, 1f1b) and each micro-batch
+count M (--microbatches, default 2 4 8), each micro-batch --microbatch-size samples. Every step is timed, and right
+after it each rank times its own stage's work alone: the same M forwards and backwards on the same shapes, in the
+schedule's order (gpipe's forwards all before its backwards), with nothing to wait for. The measured bubble of a step
+is 1 - (the busiest stage's time alone) / (the step's time): the share of the step in which even the busiest stage
+waited. It is set against (P - 1) / (M + P - 1), which assumes equal stages
 and free messages. Cells run interleaved (--rounds), medians reported.
 
 The memory: --memory-model (ResNet-50) built and wrapped the trainer's way (trainer.parallel.strategy.for_run,

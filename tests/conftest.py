@@ -36,7 +36,8 @@ else:
 # only starts later.
 SLOWEST_FIRST = ("test_inplace", "test_launcher_truth", "test_faults", "test_user_code", "test_bench", "test_elastic",
                  "test_recipe", "test_fsdp", "test_resume", "test_scripts", "test_bad_input", "test_shm_allreduce",
-                 "test_api", "test_training", "test_pack", "test_speed_settings", "test_pipeline", "test_async_checkpoint",
+                 "test_api", "test_training", "test_pack", "test_speed_settings", "test_pipeline",
+                 "test_async_checkpoint",
                  "test_observe", "test_config")
 
 

@@ -68,7 +68,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     evaluated = stage.evaluate(data[0][0][:per_replica])  # the first batch again, with the trained weights
-    torch.save({"state": {k: v for module in modules for k, v in module.state_dict().items()}, "losses": losses, "evaluated": evaluated},
+    state = {key: value for module in modules for key, value in module.state_dict().items()}
+    torch.save({"state": state, "losses": losses, "evaluated": evaluated},
                out / f"stage-{layout.stage}-{layout.replica}.pt")
     dist.destroy_process_group()
 

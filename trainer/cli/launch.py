@@ -59,8 +59,9 @@ def split_dry_run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[bool, li
 
 def check_the_cut(cfg) -> None:
     """Pipeline stages of a built-in model: the model's fit (no loss of its own) and the cut (its split's names,
-    enough blocks for the stages) checked here, before any worker starts, on the model built on the meta device (no memory, no weights; torch imported for this
-    job alone). A user's model is checked by its workers: building it here would run its code twice."""
+    enough blocks for the stages) checked here, before any worker starts, on the model built on the meta device (no
+    memory, no weights; torch imported for this job alone). A user's model is checked by its workers: building it
+    here would run its code twice."""
     from trainer.config import catalog
 
     if cfg.pipeline_stages == 1 or cfg.model not in catalog.MODELS:

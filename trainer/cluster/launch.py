@@ -387,7 +387,8 @@ def choose_recovery(settings: LauncherSettings, topology: Topology, program: Pro
         why = f"the script starts its own processes ({per_host})"
     elif (options.pipeline_stages if options is not None else
           script_settings({}, env, topology.world_size).pipeline_stages) > 1:
-        why = "pipeline stages cut the model across processes; in-place recovery replicates whole models across the hosts"
+        why = ("pipeline stages cut the model across processes; in-place recovery replicates whole models across the "
+               "hosts")
     elif options is not None and options.strategy == "fsdp":
         why = "--strategy fsdp shards the model; in-place recovery replicates whole models across the hosts"
     elif options is not None and options.local_sgd_period:

@@ -211,7 +211,7 @@ class TrainConfig:
         (2 if it names none), else 1."""
         if self.pipeline_schedule != "interleaved-1f1b":
             return 1
-        names = [name for name in self.pipeline_split.split(",") if name.strip()]
+        names = split_names(self.pipeline_split)
         return (len(names) + 1) // self.pipeline_stages if names else 2
 
     @property
@@ -273,6 +273,11 @@ def meant(name: str) -> str | None:
         return _ALIAS_OF[key]
     close = difflib.get_close_matches(key, [f.name for f in OPTIONS], n=1)
     return close[0] if close else None
+
+
+def split_names(text: str) -> list[str]:
+    """--pipeline-split's module names: comma-separated, blanks around them and empty ones dropped."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def flag_name(name: str) -> str:
@@ -783,7 +788,7 @@ def _check_pipeline(cfg: TrainConfig, world_size: int, setting) -> int:
     if cfg.amp == "fp16":
         raise UsageError(setting("amp"), "fp16's loss scaler skips an overflowing step on the process that sees it, "
                          "and pipeline stages must skip together", "use bf16")
-    names = [name for name in cfg.pipeline_split.split(",") if name.strip()]
+    names = split_names(cfg.pipeline_split)
     if cfg.pipeline_schedule == "interleaved-1f1b":
         if names and ((len(names) + 1) % stages or (len(names) + 1) // stages < 2):
             raise UsageError(setting("pipeline_split"), f"{len(names)} name{'s' * (len(names) != 1)} cut"

@@ -76,7 +76,7 @@ class Run:
 
     # ------------------------------------------------------------------ who does what
     def _label(self, name: str) -> str:
-        """A setting as its user wrote it: a flag for the built-in loop (--collective-timeout), a keyword for a script."""
+        """A setting as its user wrote it: a flag (--collective-timeout) in the built-in loop, a keyword in a script."""
         return flag_name(name) if self.door == BUILT_IN else name
 
     # The job's members as its driver says (in-place recovery: as of the latest quorum; before the first, this host's).

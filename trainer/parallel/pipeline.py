@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from trainer.config.settings import split_names
 from trainer.core.errors import UsageError
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def split_points(model: nn.Module, stages: int, given: str, label: str, model_na
                              f"{len(found)} blocks to cut between ({', '.join(name for name, _ in found)})",
                              f"use at most {len(found) // chunks} stages")
         return refined(model, found, stages)
-    names = [name.strip() for name in given.split(",") if name.strip()]
+    names = split_names(given)
     if len(names) != stages - 1:
         raise UsageError(label, f"{len(names)} names for {stages} stages", f"name the {stages - 1} module"
                          f"{'s' * (stages != 2)} that begin{'s' * (stages == 2)} each stage after the first, "
