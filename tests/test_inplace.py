@@ -307,7 +307,7 @@ def caught_writing(hosts, tmp_path: Path, port: int, launches: list) -> tuple:
                                f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
     pid = worker_pid(writer)
     # In its generation's folder (trainer.checkpoint.store.open_generation), which the next generation retires.
-    writing = wait_until(lambda: list((tmp_path / "checkpoints").glob(f".generation-*/.tmp-step-*.{pid}")),
+    writing = wait_until(lambda: list((tmp_path / "checkpoints").glob(f".generation-*/.tmp-step-*.{pid}.*")),
                          RUN_BOUND_S, "a checkpoint being written")
     return writer, other, writing
 

@@ -621,3 +621,31 @@ def test_a_collective_timeout_names_the_rank_stuck_outside_it(tmp_path, launches
                      rf"api_stuck\.py:{sleeping} in load_batch when it came\): this rank leaves now", run.output()), \
         run.output()[-3000:]
     assert "forcefully exiting via 9" not in run.output(), run.output()[-3000:]
+
+
+def test_a_workers_facts_noted_by_two_threads_at_once_are_all_kept(tmp_path, monkeypatch):
+    """A rank's record is read, merged and rewritten by whichever thread notes a fact (the main thread its stop, a
+    background checkpoint thread its commit). Unlocked, one thread's write dropped the other's fact: a stopped
+    launcher then read no committed stop and exited 143 on torch 2.13 (issue 45, item 11)."""
+    import threading
+
+    from trainer.cluster.workers import AGENT_DIR_ENV
+    from trainer.parallel import bootstrap
+
+    monkeypatch.setenv(AGENT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    go = threading.Barrier(2)
+
+    def noter(name: str) -> None:
+        go.wait()
+        for i in range(160):
+            bootstrap.note(**{f"{name}{i}": i})
+
+    threads = [threading.Thread(target=noter, args=(name,)) for name in ("main", "saver")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    record = json.loads((tmp_path / "rank-0.json").read_text())
+    assert len(record) == 320, f"{320 - len(record)} of 320 facts lost"
+    assert not list(tmp_path.glob(".tmp-*")), "a temp file was left behind"

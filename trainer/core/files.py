@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -21,8 +22,9 @@ TEMP_PREFIX = ".tmp-"
 
 def temp_path(path: Path, folder: Path | None = None) -> Path:
     """Where `path` is written before it is renamed into place: hidden, in the same directory (or in `folder`, on
-    the same file system), and unique to this process (two writers of one name never share a temp file)."""
-    return (path.parent if folder is None else folder) / f"{TEMP_PREFIX}{path.name}.{os.getpid()}"
+    the same file system), and unique to this process and thread (two writers of one name never share a temp file:
+    a worker's main thread and its background checkpoint or heartbeat thread included)."""
+    return (path.parent if folder is None else folder) / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_native_id()}"
 
 
 def fsync_dir(directory: Path) -> None:

@@ -82,20 +82,27 @@ def start() -> None:
         progress()
 
 
+# Why a lock: a rank's record is read, merged and written whole, and two threads of one worker note facts (the
+# main thread its stop, a background checkpoint thread its commit). Unlocked, the later write dropped the earlier
+# fact: on torch 2.13 a stopped launcher read a record without the committed stop and exited 143 (issue 45).
+_note_lock = threading.Lock()
+
+
 def note(**facts) -> None:
     """Add facts to this rank's record (nothing without an agent)."""
     folder = agent_dir()
     if folder is None:
         return
     path = folder / f"rank-{this_rank()}.json"
-    try:
-        record = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        record = {}
-    try:
-        _write(path, {**record, **facts})
-    except OSError:
-        pass  # the folder went away with its agent: nobody is left to read it
+    with _note_lock:
+        try:
+            record = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            record = {}
+        try:
+            _write(path, {**record, **facts})
+        except OSError:
+            pass  # the folder went away with its agent: nobody is left to read it
 
 
 _progress_path: Path | None | bool = False  # False: not looked up yet
