@@ -410,7 +410,9 @@ def test_an_elastic_pipeline_job_takes_the_restart_path_and_says_why():
             facts["recovery_line"], facts
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# 1f1b only across hosts (CI's time): gpipe's P = 2 x D = 2 runs on one host above, and the schedule does not change
+# what crosses the link (each stage's gradients, averaged across its replicas).
+@pytest.mark.parametrize("schedule", ["1f1b"])
 def test_two_stages_on_each_of_two_hosts_train_as_one_process_accumulating(hosts, accumulated, tmp_path, launches,
                                                                            schedule):
     """P = 2 x D = 2 as the tutorials draw it: each host (a network namespace, tests/netns.py) runs a replica's two

@@ -20,10 +20,11 @@ def train_both_ways(tmp_path, nproc: int, extra: list[str]) -> tuple[dict, dict]
     return params["true"], params["false"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2"]], ids=["every-step", "grad-accum"])
-def test_two_processes_train_bit_for_bit_as_with_gloo(tmp_path, extra):
-    # 6 steps: DDP rebuilds its buckets after the first, so the hook maps new ones mid-run.
-    shm, gloo = train_both_ways(tmp_path, 2, extra)
+def test_two_processes_train_bit_for_bit_as_with_gloo(tmp_path):
+    # 6 steps: DDP rebuilds its buckets after the first, so the hook maps new ones mid-run. With gradient
+    # accumulation, whose no_sync micro-batches skip the hook: a sum every step is the simpler case of the same path
+    # (one run for CI's time).
+    shm, gloo = train_both_ways(tmp_path, 2, ["--grad-accum", "2"])
     assert_same_params(shm, gloo)
 
 
@@ -44,8 +45,8 @@ def test_too_little_shared_memory_is_named_with_both_sizes():
 FSDP_USED = "fsdp's all-gathers and reduce-scatters go through shared memory"
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, ["--grad-accum", "2"]), (2, ["--amp", "bf16"]), (3, [])],
-                         ids=["2-grad-accum", "2-bf16", "3"])
+@pytest.mark.parametrize("nproc, extra", [(2, ["--grad-accum", "2", "--amp", "bf16"]), (3, [])],
+                         ids=["2-grad-accum-bf16", "3"])
 def test_fsdp_gathers_and_reduce_scatters_through_shared_memory_train_as_through_gloo(tmp_path, nproc, extra):
     # bf16 gathers bf16 weights and fp32 norm weights together, as bytes. All-gathers copy, so they are
     # exact; a reduce-scatter sums in rank order where gloo's ring starts elsewhere (3 processes).

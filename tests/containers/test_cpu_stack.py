@@ -262,20 +262,27 @@ def test_an_in_place_pair_keeps_its_processes_when_a_host_is_killed_comes_back_a
     assert workers() == pids  # the lost host's loss and return cost the first host no process
     nodes[1].run("stop", "trainer-cpu", timeout=120)
     assert nodes[1].wait_exit("trainer-cpu", timeout=120)["ExitCode"] == 0, nodes[1].logs("trainer-cpu")[-3000:]
-    assert nodes[0].wait_exit("trainer-cpu", timeout=600)["ExitCode"] == 0, nodes[0].logs("trainer-cpu")[-4000:]
+    deadline = time.monotonic() + 120
+    while sizes(nodes[0].logs("trainer-cpu"))[-1:] != ["2"]:  # the first host goes on alone, in place
+        assert time.monotonic() < deadline, nodes[0].logs("trainer-cpu")[-4000:]
+        time.sleep(0.5)
+    # The first host stopped too, rather than trained alone to the end: CI's time; training to the end in place
+    # is tests/test_inplace.py's.
+    nodes[0].run("stop", "trainer-cpu", timeout=120)
+    assert nodes[0].wait_exit("trainer-cpu", timeout=120)["ExitCode"] == 0, nodes[0].logs("trainer-cpu")[-4000:]
     log = nodes[0].logs("trainer-cpu")
     assert "restart 1 of" not in log and "Traceback" not in log, log[-4000:]
     assert sizes(log)[-1] == "2", sizes(log)
     summary = nodes[0].summary()
-    assert summary["status"] == "completed" and summary["global_step"] == samples // (16 * 4), summary
+    assert summary["status"] == "stopped" and 0 < summary["global_step"] < samples // (16 * 4), summary
 
-def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped_and_grows_back_when_it_starts_again(make_project):
+
+def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped(make_project):
     """compose.multinode.yaml's elastic setting: the same settings on both hosts (NNODES=1:2, no NODE_RANK), one
     checkpoint directory and runs directory both mount (as hosts share NFS). `docker compose stop` on the second
     host once both train: every rank stops at an agreed step with a checkpoint, that host's trainer exits 0, and
-    the first goes on alone (world size 2: one host of 2 processes) from that checkpoint. `docker compose start`
-    there: the host joins at the next round, the running host stops at an agreed step with a checkpoint, and both
-    train to the end at world size 4."""
+    the first goes on alone (world size 2: one host of 2 processes) from that checkpoint, and stops when told. (A host
+    that comes back grows the job again: tests/test_elastic.py's, on bare metal; here CI's time.)"""
     samples = 32768  # 512 steps of the global batch (16 x 4): time for the second host to join, then leave
     nodes = [make_project(f"elastic{i}", files=[MULTINODE_FILE]) for i in (0, 1)]
     shared = {"CHECKPOINT_DIR": str(nodes[0].checkpoints), "RUNS_DIR": str(nodes[0].runs)}
@@ -300,14 +307,9 @@ def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped_and_grows_back_w
                               r"world size 2 [\s\S]*first step done", timeout=300)
     assert nodes[0].container("trainer-cpu").attrs["State"]["Status"] == "running", logs()[-4000:]
 
-    nodes[1].run("start", "trainer-cpu", timeout=120)  # the host is back, with the same settings
-    assert nodes[0].wait_exit("trainer-cpu", timeout=600)["ExitCode"] == 0, nodes[0].logs("trainer-cpu")[-4000:]
-    assert nodes[1].wait_exit("trainer-cpu", timeout=120)["ExitCode"] == 0, nodes[1].logs("trainer-cpu")[-4000:]
+    nodes[0].run("stop", "trainer-cpu", timeout=120)
+    assert nodes[0].wait_exit("trainer-cpu", timeout=120)["ExitCode"] == 0, nodes[0].logs("trainer-cpu")[-4000:]
     log = nodes[0].logs("trainer-cpu")
-    # The running host stopped for the return as a stop, at an agreed step with a checkpoint (not as a failure).
-    assert re.search(r"received SIGTERM: stopping within a step or two, with a checkpoint[\s\S]*INFO stopped at "
-                     r"step \d+", log[alone.end():]), log[-4000:]
     assert "after another one failed" not in log[alone.end():], log[-4000:]
     summary = nodes[0].summary()
-    assert summary["status"] == "completed" and summary["world_size"] == 4, summary
-    assert summary["global_step"] == samples // (16 * 4), summary  # the global batch of world size 4 throughout
+    assert summary["status"] == "stopped" and summary["world_size"] == 2, summary

@@ -230,8 +230,9 @@ def test_indexed_job_pods_train_together_and_a_killed_pod_resumes_from_the_last_
 def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(simulate):
     """k8s/pytorchjob-elastic.yaml's pods (PET_NNODES=1:2, c10d at worker-0): once both train (world size 4),
     worker-1 is SIGKILLed after a checkpoint, as a lost node kills it, and not replaced; worker-0 does not fail
-    with it: its agent restarts its workers, the rendezvous closes with one pod, and it trains to the end at world
-    size 2 from the newest checkpoint, with the same global batch."""
+    with it: its agent restarts its workers, the rendezvous closes with one pod, and it trains on at world size 2
+    from the newest checkpoint, with the same global batch, until the pod is stopped (exit 0: Kubernetes' SIGTERM;
+    not trained to the end, for CI's time)."""
     samples = 32768  # 256 steps of the global batch (32 x 4): long enough for worker-1 to join, then be lost
     pods = simulate("pytorchjob-elastic", {**TRAINING, "TRAIN_SYNTHETIC_SIZE": str(samples), "TRAIN_EPOCHS": "1",
                                            "RECOVERY": "restart"})  # the restart path's rendezvous at worker-0
@@ -258,6 +259,10 @@ def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(
         time.sleep(0.2)
     committed = max(int(p.name[5:-3]) for p in pods.checkpoints.glob("step-*.pt"))
     pods.containers[1].kill()
+    while not re.search(r"INFO training .* world size 2 [\s\S]*first step done", pods.logs(0)):
+        assert time.monotonic() < deadline and pods.state(0)["Status"] == "running", pods.all_logs()
+        time.sleep(0.5)
+    pods.containers[0].stop(timeout=60)  # SIGTERM, as the kubelet stops a pod
     while pods.state(0)["Status"] != "exited":
         assert time.monotonic() < deadline, f"worker-0 did not finish\n{pods.all_logs()}"
         time.sleep(0.5)
@@ -266,6 +271,6 @@ def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(
     assert re.search(r"^restart \d+ of 10: rank \d+ .*; the hosts still here meet again \(NNODES=1:2\)", log, re.M), log
     assert re.findall(r"INFO training .* world size (\d+) ", log)[-1] == "2", log[-3000:]
     summary = json.loads((pods.runs / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["world_size"] == 2
-    assert summary["global_step"] == samples // (32 * 2 * CPU_NPROC)
+    assert summary["status"] == "stopped" and summary["world_size"] == 2
+    assert summary["global_step"] < samples // (32 * 2 * CPU_NPROC)
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= committed, summary
