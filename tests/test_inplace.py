@@ -1094,6 +1094,28 @@ def test_a_lighthouse_whose_port_is_taken_is_one_line_and_exit_2():
         "port, the job's MASTER_PORT on every host)"], done.stderr
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_lighthouse_on_its_own_stops_at_once_with_exit_0(sig):
+    """docker stop (SIGTERM) and Ctrl-C (SIGINT) end the service's lighthouse at once, exit 0, as any service's stop:
+    its server's threads held the interpreter (Ctrl-C went unheard), and a stop was reported as a death by SIGTERM."""
+    from helpers import clean_env
+
+    from trainer.cluster import lighthouse
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: lighthouse.answers("127.0.0.1", port) is None, 60, "the lighthouse to answer")
+        began = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == 0, proc.stdout.read().decode(errors="replace")
+        assert time.monotonic() - began < 5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 
 def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen:

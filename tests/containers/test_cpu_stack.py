@@ -275,6 +275,10 @@ def test_an_in_place_pair_keeps_its_processes_when_a_host_is_killed_comes_back_a
     assert sizes(log)[-1] == "2", sizes(log)
     summary = nodes[0].summary()
     assert summary["status"] == "stopped" and 0 < summary["global_step"] < samples // (16 * 4), summary
+    began = time.monotonic()  # the lighthouse service stops as any service does: at once, exit 0 (tini as PID 1)
+    nodes[0].run("stop", "lighthouse-cpu", profile=("cpu", "lighthouse-cpu"), timeout=120)
+    assert nodes[0].wait_exit("lighthouse-cpu", timeout=60)["ExitCode"] == 0, nodes[0].logs("lighthouse-cpu")[-2000:]
+    assert time.monotonic() - began < 8
 
 
 def test_an_elastic_pair_goes_on_alone_when_one_host_is_stopped(make_project):

@@ -174,7 +174,11 @@ def serve(port: int, min_hosts: int, join_timeout_s: float, exit_if_taken: bool 
     if server is None:
         command = [program() or "torchft_lighthouse", *(f"--{key}={value}" for key, value in settings.items())]
         os.execvp(command[0], command)
-    while True:  # the server runs on threads of its own; SIGTERM (its launcher ending) ends the process
+    # The server runs on threads of its own, which hold the interpreter at exit: SIGTERM (its launcher ending, docker
+    # stop) and SIGINT end the process at once, exit 0, the same as a stop of any other service.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(0))
+    while True:
         time.sleep(3600)
 
 
