@@ -1094,6 +1094,32 @@ def test_a_lighthouse_whose_port_is_taken_is_one_line_and_exit_2():
         "port, the job's MASTER_PORT on every host)"], done.stderr
 
 
+def test_a_lighthouse_lost_for_good_ends_each_host_with_exit_1_naming_it_not_as_a_mistake_in_the_settings(
+        hosts, tmp_path, launches):
+    """The lighthouse on its own (compose's service) SIGKILLed while two hosts train, and not started again: each
+    host's quorum fails, its restart finds no lighthouse either, and each launcher ends with exit 1, restartable
+    (Compose's on-failure, Kubeflow's retry policy), its lines naming the lighthouse's address. It was exit 2 and
+    "a mistake in the settings is not restarted" (issue 43)."""
+    port = free_port()
+    lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+    try:
+        nodes = [host(tmp_path, port, f"host{name}", where, samples=SAMPLES * 8, MAX_RESTARTS="1")
+                 for name, where in zip("AB", hosts)]
+        launches.extend(nodes)
+        wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                               for node in nodes), RUN_BOUND_S, "both hosts training together")
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    for node in nodes:
+        assert node.wait(RUN_BOUND_S) == 1, node.output()[-4000:]
+        output = node.output()
+        assert "mistake in the settings" not in output and "Traceback" not in output, output[-4000:]
+        assert f"the lighthouse at http://{MASTER_ADDR}:{port}" in error_lines(output)[-1] or any(
+            f"the lighthouse at http://{MASTER_ADDR}:{port} answers no more" in line
+            for line in error_lines(output)), output[-4000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_lighthouse_on_its_own_stops_at_once_with_exit_0(sig):
     """docker stop (SIGTERM) and Ctrl-C (SIGINT) end the service's lighthouse at once, exit 0, as any service's stop:

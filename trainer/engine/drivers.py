@@ -395,7 +395,7 @@ def driver_for(ctx: DistContext, cfg: TrainConfig, env, label: Callable[[str], s
         try:
             replicas = inplace.InPlace(ctx, env, cfg.collective_timeout, cfg.checkpoint_dir, job=job_of(env),
                                        label=label("checkpoint_dir"), **replica_state)
-        except UsageError:  # no lighthouse: the job may have ended as this host started
+        except (UsageError, inplace.QuorumFailed):  # no lighthouse: the job may have ended as this host started
             leave_if_ended(ctx, cfg, env)
             raise
         return InPlace(replicas)

@@ -136,10 +136,12 @@ class InPlace:
                 hostname=address, checkpoint_transport=self.transport,
                 max_retries=MAX_ABANDONED)  # then a RuntimeError: a step that never commits is not training
         except Exception as err:  # noqa: BLE001 (torchft's Rust client says why in its own words)
-            raise UsageError("MASTER_ADDR", f"the lighthouse at {self.lighthouse} cannot be reached "
-                             f"({said(err)})", "start trainer-launch on the MASTER_ADDR host "
-                             "first (it runs the lighthouse), or check MASTER_ADDR and the port between the hosts"
-                             ) from None
+            # Not a mistake in the settings (trainer-launch found the lighthouse before it started the workers): it
+            # went away since, and a restart may find it back. Exit 1, restartable; exit 2 stays for the settings'.
+            raise QuorumFailed(f"in place: the lighthouse at {self.lighthouse} answers no more ({said(err)}) (it runs "
+                               "beside trainer-launch on the MASTER_ADDR host, or as compose.multinode.yaml's "
+                               "lighthouse service: start it again; the job resumes from the newest checkpoint)"
+                               ) from None
 
     def agree(self, mine: dict[str, Any], job_settings: Callable[[dict], dict], label: Callable[[str], str]) -> None:
         """Before this host's first quorum: its fingerprint (fingerprint()) against the job's, which the job's first

@@ -15,7 +15,7 @@ from trainer.checkpoint.checkpointer import Checkpointer, Labels
 from trainer.checkpoint.state import BUILT_IN, SCRIPT
 from trainer.cluster.topology import WORKER, resolve
 from trainer.config.settings import TrainConfig, script_settings
-from trainer.core.errors import exit_on_usage_error
+from trainer.core.errors import exit_on_usage_error, print_error
 from trainer.engine import inplace
 from trainer.engine.course import Course
 from trainer.engine.drivers import Replicated, driver_for
@@ -83,8 +83,13 @@ def build_parts(ctx: DistContext, settings, door: str, label: Callable[[str], st
         state.position = checkpointer.put_back(replica, Path("a live peer's state"))
 
     with exit_on_usage_error(silent=not ctx.is_local_main):
-        driver = driver_for(ctx, settings, os.environ, label, state=lambda: checkpointer.state_at(*where()),
-                            load=load, newer=lambda: newer_checkpoint(ctx, state, checkpointer))
+        try:
+            driver = driver_for(ctx, settings, os.environ, label, state=lambda: checkpointer.state_at(*where()),
+                                load=load, newer=lambda: newer_checkpoint(ctx, state, checkpointer))
+        except inplace.QuorumFailed as lost:  # the lighthouse gone: an infrastructure fault, one line and exit 1
+            if ctx.is_local_main:
+                print_error(str(lost))
+            raise SystemExit(1) from None
     try:
         with exit_on_usage_error():
             observers = Observers(settings, ctx, started, driver.members.writes)
