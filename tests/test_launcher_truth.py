@@ -375,6 +375,55 @@ def test_a_killed_launcher_takes_its_workers_and_their_children_along(tmp_path, 
     wait_until(lambda: not [pid for pid in started if running(pid)], 10, "every process it started to be gone")
 
 
+WAITS = """
+import time
+
+print("waiting", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_next_launcher_removes_a_killed_launchers_folder_and_keeps_a_live_ones(tmp_path, launches):
+    """A SIGKILLed launcher cannot remove its temp folder (trainer-agent-*: its workers' records); the next launcher
+    on the host removes it, even where its pid is a live process's by now, and leaves the folder of a launcher that
+    still runs (another job on the host) alone. Before: every killed launcher's folder stayed in /tmp for good."""
+    (tmp_path / "waits.py").write_text(WAITS)
+    (tmp_path / "done.py").write_text('print("done", flush=True)\n')
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = launcher_env(free_port(), NPROC_PER_NODE="1", TMPDIR=str(temp))
+
+    def folders() -> set[Path]:
+        return set(temp.glob("trainer-agent-*"))
+
+    def start(name: str) -> tuple[Launch, Path]:
+        before = folders()
+        run = Launch(["waits.py"], tmp_path, {**env, "MASTER_PORT": str(free_port())}, name=name)
+        launches.append(run)
+        wait_until(lambda: "waiting" in run.output(), RUN_BOUND_S, f"{name}'s worker to start\n{run.output()}")
+        new, = folders() - before
+        return run, new
+
+    killed, killed_folder = start("killed")
+    live, live_folder = start("live")
+    started = descendants(killed.pid)
+    for pid in [killed.pid, *started]:
+        os.kill(pid, signal.SIGKILL)
+    killed.proc.wait()
+    wait_until(lambda: not [pid for pid in started if running(pid)], 10, "the killed launcher's worker to be gone")
+    assert killed_folder.is_dir()  # what a SIGKILL leaves
+    if (killed_folder / "launcher.lock").is_file():  # its pid, now a live process's (pid reuse)
+        (killed_folder / "launcher.lock").write_text(f"{os.getpid()}\n")
+
+    after = Launch(["done.py"], tmp_path, {**env, "MASTER_PORT": str(free_port())}, name="after")
+    launches.append(after)
+    assert after.wait(RUN_BOUND_S) == 0, after.output()[-3000:]
+    assert not killed_folder.exists(), sorted(killed_folder.iterdir())
+    assert live_folder.is_dir() and live.proc.poll() is None, live.output()[-3000:]
+    assert (live_folder / "launcher.lock").read_text() == f"{live.pid}\n"
+    assert folders() == {live_folder}  # the one that ended removed its own
+
+
 @pytest.mark.parametrize("lost", [1, 0], ids=["a worker host", "the rendezvous host"])
 def test_when_one_hosts_launcher_dies_the_other_stops_at_once_naming_it(tmp_path, launches, lost):
     """Two launcher nodes; one launcher SIGKILLed mid-run: its worker dies with it, the other node's rank loses

@@ -12,6 +12,7 @@ workers' records (workers.py) say how a stop ended. Torch-free at import: torch 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import inspect
 import logging
 import os
@@ -103,22 +104,70 @@ def describe_stop(sig: int, folder: Path, expected: int, grace: int) -> tuple[st
     return f"stopped by {name}: {'; '.join(parts)}; {saved}", 128 + sig
 
 
+AGENT_FOLDER_PREFIX = "trainer-agent-"
+# In every agent folder: its launcher's pid, and an fcntl lock on it that the launcher holds while it runs. The
+# kernel drops the lock when the launcher dies, however it dies (SIGKILL, an OOM kill): a folder whose lock can be
+# taken is a leftover. The lock, not the pid, says so: a dead launcher's pid may be another process's by now.
+OWNER_FILE = "launcher.lock"
+
+
+def remove_leftover_folders(where: str | None) -> None:
+    """Remove the agent folders in `where` (None: the temp directory) whose launcher is gone (SIGKILLed: it could
+    not remove its own). Another launcher's on this host (another job) holds its lock and is left alone; so is a
+    folder without the owner file (a launcher creating it this moment; one of a trainer before the lock)."""
+    with contextlib.suppress(OSError):
+        for folder in Path(where or tempfile.gettempdir()).glob(AGENT_FOLDER_PREFIX + "*"):
+            try:
+                owner = os.open(folder / OWNER_FILE, os.O_RDWR)
+            except OSError:  # none (see above), or not ours to open
+                continue
+            try:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its launcher runs
+                os.close(owner)
+                continue
+            try:
+                shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                os.close(owner)
+
+
+def _own(folder: str) -> int:
+    """Lock `folder` as this launcher's (see OWNER_FILE); the open descriptor, which holds the lock until it is
+    closed or the process ends (not inherited: Python's descriptors are close-on-exec, so a worker does not hold
+    it). The file is locked before it takes its name, so a folder is never seen with an unlocked owner file."""
+    staged = os.path.join(folder, f".{OWNER_FILE}.{os.getpid()}")
+    owner = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    os.write(owner, f"{os.getpid()}\n".encode())
+    os.rename(staged, os.path.join(folder, OWNER_FILE))
+    return owner
+
+
 @contextlib.contextmanager
 def agent_folder() -> Iterator[str]:
     """Where this host's workers leave their records (and the agent their error files): a private temp folder, or
-    /dev/shm where the temp directory is read-only (some container runtimes' images)."""
+    /dev/shm where the temp directory is read-only (some container runtimes' images). Owned (OWNER_FILE) while this
+    launcher runs; the folders of launchers that died without removing theirs are removed first."""
     for where in (None, "/dev/shm"):
+        remove_leftover_folders(where)
         with contextlib.suppress(OSError):
-            folder = tempfile.mkdtemp(prefix="trainer-agent-", dir=where)
+            folder = tempfile.mkdtemp(prefix=AGENT_FOLDER_PREFIX, dir=where)
             break
     else:
         print_error("TMPDIR: no writable temporary directory (nor /dev/shm) for the workers' records (mount a "
                     "writable /tmp, or set TMPDIR to a writable directory)")
         raise SystemExit(2)
     try:
+        owner = _own(folder)
+    except OSError:  # a file system without locks: the folder is still this launcher's to remove at its end
+        owner = None
+    try:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if owner is not None:
+            os.close(owner)
 
 
 @contextlib.contextmanager
