@@ -35,7 +35,7 @@ SAMPLES, SHARE_BATCH, SEED = 6400, 16, 0
 GENERATION = re.compile(r"in place: generation (\d+), world size (\d+) of at most (\d+)")
 
 pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("torchft") is None,
-                                reason="torchft (the inplace extra) is not installed")
+                                reason="torchft (a dependency) is not installed")
 
 
 def inplace_env(port: int, where: Host, hosts: str = "1:2", **extra: str) -> dict[str, str]:
@@ -907,10 +907,25 @@ def test_on_gpus_an_elastic_job_recovers_in_place_only_when_asked():
 
 
 def test_without_torchft_an_elastic_job_takes_the_restart_path_and_says_so(tmp_path):
-    """A host without the inplace extra: torchft hidden from the launcher's Python."""
+    """A host without torchft (a dependency, removed by hand): torchft hidden from the launcher's Python."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")
     path, line = recovery_of(dry_run({}, "--model", "cnn", pythonpath=str(tmp_path)))
-    assert path == "restart" and "torchft is not installed (pip install 'ddp-trainer[inplace]')" in line, line
+    assert path == "restart" and "torchft is not installed (pip install 'torchft>=0.2,<0.3', a dependency of the trainer)" in line, line
+
+
+def test_a_torchft_release_the_code_does_not_know_is_refused_in_one_line_naming_it(tmp_path):
+    """torchft's API moved between releases (its Manager's arguments, the group's configure that inplace.py
+    overrides): a release outside the tested range is one line and exit 2 before any worker starts, not a crash or a
+    silently wrong step mid-run; RECOVERY=restart does not need it."""
+    info = tmp_path / "torchft-0.9.1.dist-info"  # what pip leaves for an installed torchft 0.9.1, ahead on the path
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchft\nVersion: 0.9.1\n")
+    done = dry_run({}, "--model", "cnn", pythonpath=str(tmp_path))
+    assert done.returncode == 2 and error_lines(done.stderr) == [
+        "error: RECOVERY: in-place recovery runs on torchft 0.2.x, and this host has torchft 0.9.1 (pip install "
+        "'torchft>=0.2,<0.3', or RECOVERY=restart for the restart path)"], done.stderr
+    path, _ = recovery_of(dry_run({"RECOVERY": "restart"}, "--model", "cnn", pythonpath=str(tmp_path)))
+    assert path == "restart"
 
 
 def test_an_unknown_recovery_is_one_line_and_exit_2():

@@ -400,6 +400,11 @@ def choose_recovery(settings: LauncherSettings, topology: Topology, program: Pro
     why = why or lighthouse.unavailable()
     if why is not None:
         return Recovery(False, topology, f"in-place cannot: {why}")
+    version = lighthouse.unknown_torchft()
+    if version is not None:  # its API may have moved: refused, rather than a crash or a silent wrong step mid-run
+        tested = ", ".join(f"{release}.x" for release in lighthouse.TORCHFT_TESTED)
+        raise UsageError("RECOVERY", f"in-place recovery runs on torchft {tested}, and this host has torchft {version}",
+                         f"pip install '{lighthouse.TORCHFT_REQUIREMENT}', or RECOVERY=restart for the restart path")
     local_addr = address_toward(topology.master_addr, topology.master_port) or socket.gethostname()
     return Recovery(True, topology, local=local_group(topology, local_addr),
                     replica=f"{local_addr}-{socket.gethostname()}")

@@ -46,10 +46,34 @@ def identity(host: str, port: int) -> str:
     return url(address, port)
 
 
+# The torchft releases whose API this code knows (its Manager's arguments, ProcessGroupGloo.configure, which
+# inplace.py overrides, and the Rust LighthouseServer loaded by path in serve()); pyproject.toml pins this range.
+TORCHFT_TESTED = ("0.2",)
+TORCHFT_REQUIREMENT = "torchft>=0.2,<0.3"
+
+
+def torchft_version() -> str | None:
+    """The installed torchft's version, read from its metadata (no import: torchft's imports torch)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchft")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def unknown_torchft() -> str | None:
+    """The installed torchft's version where it is not one this code was tested with; None otherwise."""
+    version = torchft_version()
+    if version is None or any(version == tested or version.startswith(f"{tested}.") for tested in TORCHFT_TESTED):
+        return None
+    return version
+
+
 def unavailable() -> str | None:
-    """Why this host cannot run in place (torchft, the optional `inplace` extra, is not installed); None: it can."""
+    """Why this host cannot run in place (torchft, a dependency, is missing from this Python); None: it can."""
     if importlib.util.find_spec("torchft") is None:
-        return "torchft is not installed (pip install 'ddp-trainer[inplace]')"
+        return f"torchft is not installed (pip install '{TORCHFT_REQUIREMENT}', a dependency of the trainer)"
     if program() is None:
         return "torchft's torchft_lighthouse command is not on PATH nor beside this Python"
     return None

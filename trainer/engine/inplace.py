@@ -119,7 +119,7 @@ class InPlace:
             import torchft  # noqa: F401
         except ImportError as err:
             raise UsageError("RECOVERY", f"in-place recovery needs torchft, which does not import here ({err})",
-                             "pip install 'ddp-trainer[inplace]' on every host, or RECOVERY=restart") from None
+                             "pip install 'torchft>=0.2,<0.3' (a dependency of the trainer) on every host, or RECOVERY=restart") from None
         from torchft import Manager
 
         self.group = _replica_group(timeout)
