@@ -81,7 +81,7 @@ class Project:
             d.chmod(0o777)  # the containers run as uid 1000
         self.env = clean_env(**base_env, RUNS_DIR=str(self.runs), CHECKPOINT_DIR=str(self.checkpoints),
                              DATA_DIR=str(self.data), MASTER_PORT=str(free_port()),
-                             TENSORBOARD_PORT=str(free_port()))
+                             TENSORBOARD_PORT=str(free_port()), ENV_FILE=str(EMPTY_ENV_FILE))
         self.background: list[subprocess.Popen] = []
         self.logfiles = []
 

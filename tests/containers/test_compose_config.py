@@ -25,7 +25,8 @@ def compose_config(compose_cli, file, *args: str, env_file=EMPTY_ENV_FILE, **env
     """(parsed config, stderr) of `docker compose -f FILE ARGS config --format json`."""
     out = subprocess.run([*compose_cli, "-f", str(file), "--env-file", str(env_file), *args,
                           "config", "--format", "json"],
-                         cwd=ROOT, env=clean_env(**env), capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, env=clean_env(**{"ENV_FILE": str(env_file), **env}), capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, f"compose config failed:\n{out.stderr}"
     return json.loads(out.stdout), out.stderr
 

@@ -167,6 +167,10 @@ BAD_INPUT = {
                                    r"^error: NODE_RANK \(explicit\): "),
     "multinode-without-master-addr": (MULTINODE_FILE, {"NODE_RANK": "1"}, r"^error: MASTER_ADDR \(explicit\): "),
     "missing-data-dir": (None, {"TRAIN_DATASET": "imagefolder", "DATA_DIR": "<missing>"}, r"^error: TRAIN_DATA_DIR: "),
+    # A misspelt setting in the project's .env reaches the trainer (env_file), which refuses it as on bare metal; it
+    # was ignored in silence, and the run trained at the default lr (issue 45).
+    "misspelt-setting-in-env-file": (None, {"ENV_FILE": "<env>"}, r"^error: TRAIN_LEARNING_RATE: in the environment "
+                                     r"is not a training setting \(did you mean TRAIN_LR\? "),
 }
 
 
@@ -176,6 +180,9 @@ def test_bad_input_stops_with_the_one_line_error(make_project, case):
     project = make_project(case, files=[file]) if file else make_project(case)
     if settings.get("DATA_DIR") == "<missing>":
         settings = {**settings, "DATA_DIR": str(project.dir / "no-such-dataset")}
+    if settings.get("ENV_FILE") == "<env>":
+        (project.dir / ".env").write_text("TRAIN_MODEL=cnn\nTRAIN_LEARNING_RATE=0.01\n")
+        settings = {**settings, "ENV_FILE": str(project.dir / ".env")}
     project.env.update(settings)
     started = time.monotonic()
     project.up_attached("trainer-cpu")
