@@ -257,6 +257,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, case: BadInput
     assert snapshot(workdir) == before
 
 
+def test_a_data_dir_that_does_not_exist_is_said_so_and_one_without_train_is_said_so(workdir):
+    """Two mistakes, two words: a path that is not there was called a folder with no train/ folder (issue 45)."""
+    (workdir / "empty").mkdir()
+    for given, problem in (("nowhere", "'nowhere' does not exist"), ("empty", "'empty' has no train/ folder")):
+        result = run_bad([*LAUNCH, *BASE_ARGS, "--dataset", "imagefolder", "--data-dir", given], workdir,
+                         {"PREFLIGHT": "0", "MASTER_PORT": str(free_port())})
+        assert problem in assert_fails_with_one_line(result, "--data-dir"), result.stderr
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--model", "cifar_resnet18"], "holds a cnn trained on synthetic 32x32, this run is a cifar_resnet18"),
     (["--synthetic-image-size", "64"], "trained on synthetic 32x32, this run is a cnn on synthetic 64x64"),

@@ -185,7 +185,7 @@ def _compose_variables() -> set[str]:
 
 FIXED_IN_COMPOSE = {"TRAIN_DATA_DIR", "TRAIN_CHECKPOINT_DIR", "TRAIN_LOG_DIR"}  # container paths, not knobs
 # Set from another variable, not a knob: the launcher's copy of compose's stop_grace_period (STOP_GRACE_PERIOD).
-DERIVED_IN_COMPOSE = {"COMPOSE_STOP_GRACE_PERIOD"}
+DERIVED_IN_COMPOSE = {"COMPOSE_STOP_GRACE_PERIOD", "COMPOSE_DATA_MOUNT"}  # and DATA_DIR's, for the data errors
 
 
 def _env_example_keys() -> set[str]:

@@ -166,7 +166,9 @@ BAD_INPUT = {
     "node-rank-not-below-nnodes": (None, {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"},
                                    r"^error: NODE_RANK \(explicit\): "),
     "multinode-without-master-addr": (MULTINODE_FILE, {"NODE_RANK": "1"}, r"^error: MASTER_ADDR \(explicit\): "),
-    "missing-data-dir": (None, {"TRAIN_DATASET": "imagefolder", "DATA_DIR": "<missing>"}, r"^error: TRAIN_DATA_DIR: "),
+    # Named as the user set it (DATA_DIR, the host's folder), not as the container sees it (TRAIN_DATA_DIR: /data).
+    "missing-data-dir": (None, {"TRAIN_DATASET": "imagefolder", "DATA_DIR": "<missing>"},
+                         r"^error: DATA_DIR: '\S+/no-such-dataset' \(mounted at /data\) has no train/ folder "),
     # A misspelt setting in the project's .env reaches the trainer (env_file), which refuses it as on bare metal; it
     # was ignored in silence, and the run trained at the default lr (issue 45).
     "misspelt-setting-in-env-file": (None, {"ENV_FILE": "<env>"}, r"^error: TRAIN_LEARNING_RATE: in the environment "

@@ -355,6 +355,8 @@ ELASTIC_WORLD_ENV = "TRAINER_ELASTIC_WORLD"
 # is on when it is set), the largest world (hosts x processes) whose micro-batches the run keeps at every size, this
 # host's name in the quorum and the address other hosts reach it at.
 LIGHTHOUSE_ENV = "TRAINER_LIGHTHOUSE"
+# compose.yaml's DATA_DIR (the host folder it mounts at TRAIN_DATA_DIR): a data error names what the user set.
+DATA_MOUNT_ENV = "COMPOSE_DATA_MOUNT"
 INPLACE_WORLD_ENV = "TRAINER_INPLACE_WORLD"
 REPLICA_ENV = "TRAINER_REPLICA"
 REPLICA_ADDR_ENV = "TRAINER_REPLICA_ADDR"
@@ -690,9 +692,18 @@ def _batch_per_process(cfg: TrainConfig, world_size: int, sources: dict[str, str
 def _check_image_folder(cfg: TrainConfig, setting) -> None:
     """--dataset imagefolder: the folders ImageFolder needs, checked before torchvision is imported (seconds)."""
     train_dir = Path(cfg.data_dir) / "train"
+    mounted = os.environ.get(DATA_MOUNT_ENV, "").strip()
+    if mounted and setting("data_dir") == env_name("data_dir"):  # compose's: name the host folder the user set
+        what, where, docker = "DATA_DIR", f"'{mounted}' (mounted at {cfg.data_dir})", (
+            "; a DATA_DIR that did not exist was made by Docker, empty and owned by root: remove it")
+    else:
+        what, where, docker = setting("data_dir"), f"'{cfg.data_dir}'", ""
+    if not Path(cfg.data_dir).exists():
+        raise UsageError(what, f"{where} does not exist", "give the folder that holds train/<class>/*.jpg and "
+                         "val/<class>/*.jpg")
     if not train_dir.is_dir():
-        raise UsageError(setting("data_dir"), f"'{cfg.data_dir}' has no train/ folder for imagefolder",
-                         "mount a folder with train/<class>/*.jpg and val/<class>/*.jpg")
+        raise UsageError(what, f"{where} has no train/ folder for imagefolder",
+                         f"mount a folder with train/<class>/*.jpg and val/<class>/*.jpg{docker}")
     try:  # the cheap half of ImageFolder's check
         has_class_folders = any(entry.is_dir() for entry in train_dir.iterdir())
     except OSError as err:
