@@ -27,7 +27,7 @@ def main() -> None:
         objective = Objective(model, cfg.model)
         forward = run.wrap(model)
         optimizer = build_optimizer(cfg, model)
-        scheduler = build_scheduler(cfg, optimizer, total)
+        scheduler = build_scheduler(cfg, optimizer, total, steps_per_epoch)
         run.resume(model=model, optimizer=optimizer, scheduler=scheduler)
         model.train()
         for epoch in run.epochs():

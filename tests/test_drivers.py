@@ -186,6 +186,20 @@ def test_averaging_starts_after_a_warm_up_it_must_know_and_follows_the_runs_step
     assert driver.averaging.step == 5 and driver.members.world_size == 2
 
 
+def test_averaging_on_the_references_schedule_starts_after_its_warm_up_epochs():
+    """--lr-scheduler's warm-up is counted in epochs (--lr-warmup-epochs): local SGD starts after as many epochs of
+    the run's steps, not after --warmup-steps' 5%."""
+    from types import SimpleNamespace
+
+    from trainer.config.settings import TrainConfig
+    from trainer.engine.drivers import Averaging
+
+    driver = Averaging(SimpleNamespace(rank=0, world_size=2), period=4, label=lambda name: name)
+    wrapped = SimpleNamespace(module=torch.nn.Linear(2, 2), forward=lambda x: x)
+    driver.forward(wrapped, Position(), 100, TrainConfig(lr_scheduler="steplr", lr_warmup_epochs=2), 7)
+    assert driver.averaging.warmup_steps == 14
+
+
 # ---------------------------------------------------------------- the run's state (trainer/engine/train_state.py)
 def settings(epochs: int = 2, max_steps: int = 0):
     from types import SimpleNamespace

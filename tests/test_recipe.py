@@ -7,6 +7,7 @@ library comparisons call torchvision and torch themselves, on the same draws.
 
 from __future__ import annotations
 
+import csv
 import shutil
 import subprocess
 import sys
@@ -400,6 +401,101 @@ def test_a_script_with_clipping_and_an_ema_from_the_environment_clips_and_resume
                      newest(tmp_path / "through" / "checkpoints")["model"], "the final model")
 
 
+# ------------------------------------------------------------------------------- the reference's LR schedule
+
+SCHEDULE_RUN = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "6", "--lr", "0.05",
+                "--log-every", "1", "--val-every", "0", "--num-workers", "0", "--tracker", "csv"]
+SCHEDULE_STEPS_PER_EPOCH = 64 // 16  # one process: 4 optimizer steps per epoch, 24 in all
+
+
+def logged_rates(log_dir: Path) -> dict[int, float]:
+    """The run's learning rate after each logged step, from metrics.csv (as written: TensorBoard keeps float32)."""
+    with open(log_dir / "metrics.csv", newline="") as f:
+        return {int(row["step"]): float(row["value"]) for row in csv.DictReader(f) if row["tag"] == "lr"}
+
+
+def references_lr_by_epoch(epochs: int, lr: float, scheduler: str = "steplr", warmup_epochs: int = 0,
+                           warmup_method: str = "constant", warmup_decay: float = 0.01, step_size: int = 30,
+                           gamma: float = 0.1, lr_min: float = 0.0) -> list[float]:
+    """The learning rate of each epoch, and of the one after the last, as torchvision's
+    references/classification/train.py gets it from its flags (their defaults here): torch's main scheduler, its
+    warm-up scheduler chained before it by SequentialLR at the warm-up's end, stepped once after each epoch."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedulers = torch.optim.lr_scheduler
+    main = {"steplr": lambda: schedulers.StepLR(optimizer, step_size=step_size, gamma=gamma),
+            "cosineannealinglr": lambda: schedulers.CosineAnnealingLR(optimizer, T_max=epochs - warmup_epochs,
+                                                                       eta_min=lr_min),
+            "exponentiallr": lambda: schedulers.ExponentialLR(optimizer, gamma=gamma)}[scheduler]()
+    schedule = main
+    if warmup_epochs > 0:
+        warmup = schedulers.LinearLR(optimizer, start_factor=warmup_decay, total_iters=warmup_epochs) \
+            if warmup_method == "linear" else schedulers.ConstantLR(optimizer, factor=warmup_decay,
+                                                                    total_iters=warmup_epochs)
+        schedule = schedulers.SequentialLR(optimizer, [warmup, main], milestones=[warmup_epochs])
+    rates = []
+    for _ in range(epochs + 1):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+# (flags, TRAIN_* environment, references_lr_by_epoch's keyword arguments for the same run)
+REFERENCE_SCHEDULES = {
+    "steplr by default, linear warm-up": (
+        ["--lr-warmup-epochs", "2", "--lr-warmup-method", "linear", "--lr-warmup-decay", "0.1", "--lr-step-size", "2",
+         "--lr-gamma", "0.5"], {},
+        {"warmup_epochs": 2, "warmup_method": "linear", "warmup_decay": 0.1, "step_size": 2, "gamma": 0.5}),
+    "cosineannealinglr as the reference spells it, constant warm-up, lr-min": (
+        ["--lr-scheduler", "CosineAnnealingLR", "--lr-warmup-epochs", "1", "--lr-min", "0.005"], {},
+        {"scheduler": "cosineannealinglr", "warmup_epochs": 1, "lr_min": 0.005}),
+    "exponentiallr from the environment": (
+        [], {"TRAIN_LR_SCHEDULER": "exponentiallr", "TRAIN_LR_GAMMA": "0.7"},
+        {"scheduler": "exponentiallr", "gamma": 0.7}),
+}
+
+
+@pytest.mark.parametrize("flags, environment, reference", REFERENCE_SCHEDULES.values(),
+                         ids=REFERENCE_SCHEDULES.keys())
+def test_the_references_schedule_flags_train_each_epoch_at_the_rate_of_torchs_sequentiallr_built_as_the_reference(
+        tmp_path, flags, environment, reference):
+    """The reference's scheduler flags, as its users type them, step once per epoch: every optimizer step of an
+    epoch trains at the rate the reference's SequentialLR(LinearLR or ConstantLR, StepLR, CosineAnnealingLR or
+    ExponentialLR) holds in that epoch (the warm-up's whole first epoch at --lr-warmup-decay x lr). Before: the
+    flags were unknown (exit 2), and the mapped --warmup-steps rose every step from lr/N."""
+    train_ok([*SCHEDULE_RUN, *flags, *dirs_args(tmp_path)], tmp_path, env=environment)
+    expected = references_lr_by_epoch(6, 0.05, **reference)
+    logged = logged_rates(tmp_path / "runs")  # after step S: the rate of the step after it
+    assert sorted(logged) == list(range(1, 6 * SCHEDULE_STEPS_PER_EPOCH + 1))
+    for step, rate in logged.items():
+        assert rate == pytest.approx(expected[step // SCHEDULE_STEPS_PER_EPOCH], rel=1e-12, abs=0), (step, logged)
+    if reference.get("warmup_epochs"):
+        assert logged[1] == pytest.approx(0.05 * reference.get("warmup_decay", 0.01))
+
+
+def test_the_references_schedule_resumed_mid_epoch_ends_bit_identical_and_the_ema_copies_through_its_warmup(tmp_path):
+    """A run on the reference's schedule resumed from a mid-epoch checkpoint goes on at the uninterrupted run's rate
+    and ends with its model, optimizer, scheduler and EMA, bit for bit; the EMA copies the weights through the
+    warm-up's epochs (the reference's), and averages every step after them."""
+    run = [*SCHEDULE_RUN, "--lr-scheduler", "cosineannealinglr", "--lr-warmup-epochs", "2", "--lr-warmup-method",
+           "linear", "--checkpoint-every", "6", "--keep-checkpoints", "10", "--model-ema", "--model-ema-steps", "1"]
+    through = tmp_path / "through"
+    through.mkdir()
+    train_ok([*run, *dirs_args(through)], through)
+    copy = mid_epoch_copy(through, tmp_path, 6, SCHEDULE_STEPS_PER_EPOCH)  # epoch 1, the warm-up's second
+    train_ok([*run, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path)
+    assert read_summary(tmp_path / "runs")["resumed_from_step"] == 6
+    resumed, uninterrupted = newest(tmp_path / "checkpoints"), newest(through / "checkpoints")
+    for name in ("model", "optimizer", "scheduler", "model_ema"):
+        assert_identical(resumed[name], uninterrupted[name], name)
+    assert int(uninterrupted["model_ema"]["n_averaged"]) == (6 - 2) * SCHEDULE_STEPS_PER_EPOCH
+    expected = references_lr_by_epoch(6, 0.05, "cosineannealinglr", 2, "linear")
+    logged = logged_rates(tmp_path / "runs")
+    assert min(logged) == 7, logged
+    for step, rate in logged.items():
+        assert rate == pytest.approx(expected[step // SCHEDULE_STEPS_PER_EPOCH], rel=1e-12, abs=0), (step, logged)
+
+
 # ------------------------------------------------------------------------------- bad input
 
 USER_DATA = '''
@@ -430,6 +526,20 @@ RECIPE_BAD_INPUT = {
     "random erase above 1": (["--random-erase", "1.5"], "--random-erase", "is above 1"),
     "crop larger than the images": (["--dataset", "synthetic", "--train-crop-size", "40"], "--train-crop-size",
                                     "larger than the 32x32 images of synthetic"),
+    "unknown lr scheduler": (["--lr-scheduler", "cosine"], "--lr-scheduler", "did you mean cosineannealinglr?"),
+    "per-epoch and per-step schedules mixed": (["--lr-scheduler", "steplr", "--lr-schedule", "step"],
+                                               "--lr-schedule", "--lr-scheduler selects torchvision's reference"),
+    "reference warm-up and per-step warm-up mixed": (["--lr-warmup-epochs", "2", "--warmup-steps", "5"],
+                                                     "--warmup-steps", "--lr-warmup-epochs selects torchvision's"),
+    "unknown warm-up method": (["--lr-warmup-method", "cosine"], "--lr-warmup-method", "choose one of linear, constant"),
+    "warm-up decay above 1": (["--lr-warmup-decay", "1.5"], "--lr-warmup-decay", "is above 1"),
+    "linear warm-up from 0": (["--lr-warmup-epochs", "1", "--lr-warmup-method", "linear", "--lr-warmup-decay", "0"],
+                              "--lr-warmup-decay", "start from nothing"),
+    "lr gamma 0": (["--lr-gamma", "0"], "--lr-gamma", "is not above 0"),
+    "lr step size 0": (["--lr-step-size", "0"], "--lr-step-size", "is below 1"),
+    "negative lr min": (["--lr-scheduler", "cosineannealinglr", "--lr-min", "-0.1"], "--lr-min", "is below 0"),
+    "a cosine left no epoch": (["--lr-scheduler", "cosineannealinglr", "--lr-warmup-epochs", "5", "--epochs", "5"],
+                               "--lr-warmup-epochs", "leave the cosine none"),
 }
 
 

@@ -211,6 +211,21 @@ def test_a_resume_applies_a_changed_lr_weight_decay_momentum_schedule_and_warmup
     assert "settings changed" not in again.stderr  # the same settings again: nothing to say
 
 
+def test_a_resume_onto_the_references_per_epoch_schedule_applies_it_from_the_checkpoints_step_and_says_so(tmp_path):
+    """A run on the per-step schedule resumed with the reference's --lr-scheduler: its per-epoch rates from the
+    checkpoint's step on (epoch 1 of 16 steps each at lr x gamma), the line naming what was unset before."""
+    train_ok([*CHANGED, "--max-steps", "8", *dirs_args(tmp_path)], tmp_path)
+    resumed = train_ok([*CHANGED, "--lr-scheduler", "steplr", "--lr-step-size", "1", "--lr-gamma", "0.5",
+                        *dirs_args(tmp_path)], tmp_path)
+    assert "applied: --lr-scheduler unset -> steplr, --lr-step-size 30 -> 1, --lr-gamma 0.1 -> 0.5 (the schedule " \
+        "goes on from step 8 with them)" in resumed.stderr, resumed.stderr[-3000:]
+    logged = dict(read_scalars(tmp_path / "runs")["lr"])
+    for step in (10, 14):  # epoch 0 of 16 steps (256 / 16): lr
+        assert logged[step] == pytest.approx(0.1), (step, logged)
+    for step in (16, 24, 30):  # epoch 1: lr x 0.5, one step of the schedule
+        assert logged[step] == pytest.approx(0.05), (step, logged)
+
+
 def test_a_changed_lr_on_a_checkpoint_that_does_not_record_its_settings_is_refused_in_one_line(tmp_path):
     """A checkpoint written before checkpoints recorded what their run built cannot tell a changed setting from the
     schedule's own moves: a changed --lr is refused in one line naming the way on, not ignored."""

@@ -31,6 +31,11 @@ AUGMENTATIONS = ("auto", "imagenet", "light", "none")
 # --auto-augment: torchvision.transforms.v2's policies, by the reference script's names.
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
+# --lr-scheduler: the reference's main schedules, by its names (which it lowercases first); the settings of its
+# per-epoch schedule, any of which selects it.
+LR_SCHEDULERS = ("steplr", "cosineannealinglr", "exponentiallr")
+REFERENCE_SCHEDULE = ("lr_scheduler", "lr_warmup_epochs", "lr_warmup_method", "lr_warmup_decay", "lr_step_size",
+                      "lr_gamma", "lr_min")
 LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
 # TRAIN_* names the launcher reads, which are not training options (the worker never sees them as such).
 LAUNCHER_VARIABLES = {"TRAIN_SCRIPT": "your own training script instead of the built-in trainer: a path, "
@@ -107,6 +112,26 @@ class TrainConfig:
                               loop=True)
     warmup_steps: int = option(-1, "linear warm-up steps (-1: 5% of the run's optimizer steps, so that a "
                                "short run or a larger world size is not mostly warm-up)")
+    # torchvision's reference schedule (references/classification/train.py), by its flags, meanings and defaults:
+    # stepped once per epoch, its warm-up a SequentialLR of LinearLR or ConstantLR before the main schedule. Any of
+    # them given selects it in place of --lr-schedule and --warmup-steps (the two mixed: a usage error).
+    lr_scheduler: str = option("", "torchvision's reference schedule, stepped once per epoch: steplr, "
+                               "cosineannealinglr or exponentiallr (any case); it (or steplr, the reference's default, "
+                               "where only the other --lr-* settings below are given) replaces --lr-schedule and "
+                               "--warmup-steps; unset: the per-step --lr-schedule", loop=True)
+    lr_warmup_epochs: int = option(0, "--lr-scheduler: the epochs of warm-up before it, each at one learning rate "
+                                   "(the reference's; 0: none)", loop=True)
+    lr_warmup_method: str = option("constant", "--lr-scheduler: the warm-up's rates: linear (from --lr-warmup-decay "
+                                   "x lr up by equal steps each epoch) or constant (--lr-warmup-decay x lr "
+                                   "throughout)", ("linear", "constant"), loop=True)
+    lr_warmup_decay: float = option(0.01, "--lr-scheduler: the warm-up's first epoch trains at this fraction of "
+                                    "--lr", loop=True)
+    lr_step_size: int = option(30, "--lr-scheduler steplr: multiply the learning rate by --lr-gamma every N epochs "
+                               "after the warm-up", loop=True)
+    lr_gamma: float = option(0.1, "--lr-scheduler steplr and exponentiallr: the factor (exponentiallr: every epoch "
+                             "after the warm-up)", loop=True)
+    lr_min: float = option(0.0, "--lr-scheduler cosineannealinglr: the cosine's floor (eta_min), reached after the "
+                           "last epoch", loop=True)
     clip_grad_norm: float = option(0.0, "clip the gradients' total L2 norm to this bound before each optimizer "
                                    "step (fp16: after the loss scale is taken out; fsdp: the norm over every "
                                    "shard); logged as Grad/norm; unset: no clipping")
@@ -235,7 +260,7 @@ _FIELDS = {f.name: f for f in OPTIONS}
 # TRAIN_LOG_DIR). Used only to say "did you mean ...?"; an alias is never read as the option.
 ALIASES = {
     "lr": ("learning_rate", "base_lr", "max_lr", "peak_lr"),
-    "lr_schedule": ("lr_scheduler", "lr_scheduler_type", "scheduler", "schedule", "sched"),
+    "lr_schedule": ("lr_scheduler_type", "scheduler", "schedule", "sched"),
     "warmup_steps": ("warmup", "num_warmup_steps", "lr_warmup_steps", "warmup_iters"),
     "weight_decay": ("wd", "decay"),
     "optimizer": ("opt", "optim"),
@@ -369,8 +394,9 @@ SHAPES_TRAINING = ("model", "dataset", "image_size", "augment", "synthetic_size"
                    "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
                    "ra_magnitude", "augmix_severity", "random_erase", "ra_sampler", "ra_reps", "epochs", "max_steps",
                    "batch_size", "global_batch_size", "grad_accum", "optimizer", "lr", "momentum", "weight_decay",
-                   "norm_weight_decay", "bias_weight_decay", "lr_schedule", "warmup_steps", "clip_grad_norm",
-                   "label_smoothing", "mixup_alpha", "cutmix_alpha", "model_ema", "model_ema_steps",
+                   "norm_weight_decay", "bias_weight_decay", "lr_schedule", "warmup_steps", "lr_scheduler",
+                   "lr_warmup_epochs", "lr_warmup_method", "lr_warmup_decay", "lr_step_size", "lr_gamma", "lr_min",
+                   "clip_grad_norm", "label_smoothing", "mixup_alpha", "cutmix_alpha", "model_ema", "model_ema_steps",
                    "model_ema_decay", "amp", "sync_bn", "seed", "strategy")
 
 
@@ -588,10 +614,11 @@ MINIMA = (("synthetic_size", 1), ("synthetic_image_size", 8), ("image_size", 8),
           ("seed", 0), ("train_crop_size", 0), ("val_resize_size", 0), ("val_crop_size", 0), ("ra_magnitude", 0),
           ("augmix_severity", 1), ("random_erase", 0), ("ra_reps", 1), ("label_smoothing", 0), ("mixup_alpha", 0),
           ("cutmix_alpha", 0), ("norm_weight_decay", 0), ("bias_weight_decay", 0), ("model_ema_steps", 1),
-          ("pipeline_stages", 1), ("pipeline_microbatches", 1))
+          ("pipeline_stages", 1), ("pipeline_microbatches", 1), ("lr_warmup_epochs", 0), ("lr_warmup_decay", 0),
+          ("lr_step_size", 1), ("lr_min", 0))
 MAXIMA = (("synthetic_image_size", 1024), ("image_size", 4096), ("collective_timeout", WEEK_S), ("seed", 2**32 - 1),
           ("train_crop_size", 4096), ("val_resize_size", 4096), ("val_crop_size", 4096), ("ra_magnitude", 30),
-          ("augmix_severity", 10), ("random_erase", 1))
+          ("augmix_severity", 10), ("random_erase", 1), ("lr_warmup_decay", 1))
 
 
 def built_in_loop_only(name: str) -> bool:
@@ -669,6 +696,39 @@ def _check_loop_recipe(cfg: TrainConfig, setting) -> None:
     if mixing and cfg.model in catalog.MODELS and catalog.MODELS[cfg.model].reconstructs:
         raise UsageError(setting(mixing), f"mixes class targets, and {cfg.model} is trained to reconstruct its "
                          "inputs", f"drop {setting(mixing)} for --model {cfg.model}")
+
+
+def _reference_schedule(cfg: TrainConfig, sources: dict[str, str], setting) -> str:
+    """--lr-scheduler as the built-in loop runs it: the reference's name lowercased, steplr (the reference's default)
+    where only its other settings are given, empty where none is (the per-step --lr-schedule); its settings checked
+    where torch's schedulers would refuse them mid-run, and refused beside the per-step schedule's own."""
+    given = [name for name in REFERENCE_SCHEDULE if name in sources and (name != "lr_scheduler" or
+                                                                         cfg.lr_scheduler.strip())]
+    if not given:
+        return ""
+    mixed = next((name for name in ("lr_schedule", "warmup_steps") if name in sources), None)
+    if mixed:
+        raise UsageError(setting(mixed), f"sets the per-step schedule, and {setting(given[0])} selects torchvision's "
+                         "reference schedule, stepped once per epoch", f"give one of the two: drop {setting(mixed)}, "
+                         "or the reference's --lr-* settings")
+    name = cfg.lr_scheduler.strip().lower() or "steplr"
+    if name not in LR_SCHEDULERS:
+        close = difflib.get_close_matches(name, LR_SCHEDULERS, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(setting("lr_scheduler"), f"unknown schedule '{cfg.lr_scheduler}'",
+                         f"{hint}choose one of {', '.join(LR_SCHEDULERS)}")
+    if cfg.lr_warmup_epochs and cfg.lr_warmup_method == "linear" and cfg.lr_warmup_decay == 0:
+        raise UsageError(setting("lr_warmup_decay"), "0 would make the linear warm-up start from nothing "
+                         "(LinearLR's start factor is above 0)", "give a fraction above 0, such as the reference's "
+                         "0.01")
+    if cfg.lr_gamma <= 0:
+        raise UsageError(setting("lr_gamma"), f"{cfg.lr_gamma:g} is not above 0", "give a factor such as the "
+                         "reference's 0.1")
+    if name == "cosineannealinglr" and cfg.lr_warmup_epochs >= cfg.epochs:
+        raise UsageError(setting("lr_warmup_epochs"), f"{cfg.lr_warmup_epochs} of {cfg.epochs} epochs leave the "
+                         "cosine none (it anneals over --epochs less the warm-up)",
+                         f"use fewer than {cfg.epochs}, or raise --epochs")
+    return name
 
 
 def _batch_per_process(cfg: TrainConfig, world_size: int, sources: dict[str, str], setting) -> int:
@@ -838,6 +898,7 @@ def _validated(cfg: TrainConfig, world_size: int, sources: dict[str, str], loop:
     if loop:
         _check_loop_recipe(cfg, setting)
         _check_loop_data(cfg, replicas, batch_size, setting)
+        cfg = dataclasses.replace(cfg, lr_scheduler=_reference_schedule(cfg, sources, setting))
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(setting("resume"), f"checkpoint '{cfg.resume}' does not exist",
                          "give a checkpoint (a step-* file or directory), auto or never")

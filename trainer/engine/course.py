@@ -49,7 +49,8 @@ class Course:
             log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
                      state.position.step, state.position.epoch, state.position.batch)
         # In place every step trains the largest world's global batch, whatever the membership.
-        self.recipe.tune_ema(state.batch_size, self.driver.members.largest, state.epochs, state.total_steps)
+        self.recipe.tune_ema(state.batch_size, self.driver.members.largest, state.epochs, state.total_steps,
+                             state.steps_per_epoch)
         self.observers.announce(*names, self.driver.world_line(), state.total_steps, state.steps_per_epoch,
                                 world_size)
 

@@ -134,7 +134,8 @@ class Replicated:
         return True
 
     # ------------------------------------------------------------------ the model and the run's moments
-    def forward(self, wrapped, position: Position, total_steps: int | None, settings: TrainConfig):
+    def forward(self, wrapped, position: Position, total_steps: int | None, settings: TrainConfig,
+                steps_per_epoch: int | None = None):
         return wrapped
 
     def joined(self, settings: dict[str, Any], built: dict[str, Any], modules: dict[str, Any],
@@ -234,7 +235,8 @@ class Averaging(Replicated):
         self.ctx, self.period, self.label = ctx, period, label
         self.averaging = None  # trainer.parallel.local_sgd.PeriodicAveraging, once the model is wrapped
 
-    def forward(self, wrapped, position: Position, total_steps: int | None, settings: TrainConfig):
+    def forward(self, wrapped, position: Position, total_steps: int | None, settings: TrainConfig,
+                steps_per_epoch: int | None = None):
         from trainer.engine.optim import warmup_length
         from trainer.parallel.local_sgd import PeriodicAveraging
 
@@ -243,7 +245,7 @@ class Averaging(Replicated):
                              "run's (unknown here)", "call run.plan(steps_per_epoch, epochs) before run.wrap(), or "
                              "give warmup_steps")
         self.averaging = PeriodicAveraging(self.ctx, wrapped, None, self.period,
-                                           warmup_length(settings, total_steps or 0), position.step)
+                                           warmup_length(settings, total_steps or 0, steps_per_epoch), position.step)
         return self.averaging.forward
 
     def resumed(self, step: int, optimizers: list, before_commit: list) -> None:

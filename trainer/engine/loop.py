@@ -83,7 +83,7 @@ def train(run) -> int:
     example = next(iter(train_batches.epoch(0)))[0] if cfg.pipeline_stages > 1 else None
     forward = run.wrap(model, example=example)
     optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    scheduler = build_scheduler(cfg, optimizer, total_steps, steps_per_epoch)
     run.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=run.scaler)
     validator = Validator(run, val_batches and (lambda: val_batches.epoch(0)), model, Objective(model, cfg.model),
                           cfg.val_every, count=val_batches.num_batches if val_batches is not None else None)

@@ -98,17 +98,49 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> 
     return 1.0
 
 
+def reference_lr_factor(epoch: int, cfg: TrainConfig) -> float:
+    """Multiplier of --lr through epoch `epoch` (from 0) of torchvision's reference schedule (--lr-scheduler): the
+    value its SequentialLR, stepped once after each epoch, holds then. The warm-up (LinearLR from --lr-warmup-decay
+    up to 1 over --lr-warmup-epochs, or ConstantLR at it), then the main schedule counted from 0 again at its
+    milestone: StepLR, CosineAnnealingLR over --epochs less the warm-up down to --lr-min, or ExponentialLR. The
+    closed forms of torch's schedulers, which their recursive steps follow up to float rounding."""
+    warmup, decay = cfg.lr_warmup_epochs, cfg.lr_warmup_decay
+    if epoch < warmup:
+        return decay + (1 - decay) * epoch / warmup if cfg.lr_warmup_method == "linear" else decay
+    main = epoch - warmup
+    if cfg.lr_scheduler == "steplr":
+        return cfg.lr_gamma ** (main // cfg.lr_step_size)
+    if cfg.lr_scheduler == "exponentiallr":
+        return cfg.lr_gamma ** main
+    if not cfg.lr:  # a zero rate stays zero (the floor is a rate, the factor's base would be 0)
+        return 0.0
+    floor = cfg.lr_min / cfg.lr
+    return floor + (1 - floor) * (1 + math.cos(math.pi * main / (cfg.epochs - warmup))) / 2
+
+
 WARMUP_FRACTION = 0.05  # of the run's optimizer steps, when --warmup-steps is -1 (its default)
 
 
-def warmup_length(cfg: TrainConfig, total_steps: int) -> int:
+def warmup_length(cfg: TrainConfig, total_steps: int, steps_per_epoch: int | None = None) -> int:
     """Warm-up steps of this run. A fixed default would be most of a short run, and a larger world size
     (fewer steps per epoch) would spend a larger share of it warming up: 50 of the 64 steps of the CPU
-    demo at 4 processes, which then ended at chance accuracy."""
+    demo at 4 processes, which then ended at chance accuracy. The reference's schedule (--lr-scheduler): its
+    --lr-warmup-epochs, in optimizer steps (none where the steps per epoch are not known)."""
+    if cfg.lr_scheduler:
+        return cfg.lr_warmup_epochs * (steps_per_epoch or 0)
     return cfg.warmup_steps if cfg.warmup_steps >= 0 else round(WARMUP_FRACTION * total_steps)
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int,
+                    steps_per_epoch: int | None = None):
+    """The run's LR schedule as a LambdaLR over optimizer steps, stepped after each one: its step count is the
+    checkpoint's, so a resume mid-epoch goes on at the very rate. The reference's per-epoch schedule (--lr-scheduler)
+    is constant through each epoch of `steps_per_epoch` steps, at the rate its SequentialLR has in that epoch."""
+    if cfg.lr_scheduler:
+        if not steps_per_epoch:
+            raise ValueError("the reference's per-epoch schedule needs the steps per epoch")
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: reference_lr_factor(step // steps_per_epoch, cfg))
     warmup = warmup_length(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.lr_schedule))
@@ -116,7 +148,8 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_st
 
 # The settings build_optimizer and build_scheduler read: a resume that loads the checkpoint's optimizer and scheduler
 # state would override a new value of any of them (trainer.checkpoint.state.apply_changed puts them back).
-SCHEDULE_SETTINGS = ("lr", "momentum", "weight_decay", "lr_schedule", "warmup_steps")
+SCHEDULE_SETTINGS = ("lr", "momentum", "weight_decay", "lr_schedule", "warmup_steps", "lr_scheduler",
+                     "lr_warmup_epochs", "lr_warmup_method", "lr_warmup_decay", "lr_step_size", "lr_gamma", "lr_min")
 
 
 def changed_settings(cfg: TrainConfig, saved: dict | None) -> list[tuple[str, object, object]]:

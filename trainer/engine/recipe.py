@@ -134,7 +134,8 @@ class Recipe:
         log.info("%s: %s holds no average of the weights: it starts from the weights resumed",
                  self._label("model_ema"), self._checkpointer.resumed_path)
 
-    def tune_ema(self, batch_size: int | None, world: int, epochs: int | None, total_steps: int | None) -> None:
+    def tune_ema(self, batch_size: int | None, world: int, epochs: int | None, total_steps: int | None,
+                 steps_per_epoch: int | None = None) -> None:
         """The average's decay and warm-up, once the global batch, the epochs and the run's length are known (a
         script may give them after resume(): run.sampler(), run.epochs(N)); None: the settings' batch size and
         epochs. Nothing without model_ema."""
@@ -144,7 +145,7 @@ class Recipe:
         global_batch = (batch_size or cfg.batch_size) * world * cfg.grad_accum
         epochs = epochs if epochs is not None else cfg.epochs
         self.ema.set_decay(model_ema.adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, epochs))
-        self.ema.warmup_steps = optim.warmup_length(cfg, total_steps or 0)
+        self.ema.warmup_steps = optim.warmup_length(cfg, total_steps or 0, steps_per_epoch)
         log.info("%s: an average of the weights every %d steps, decay %.6g (%g adjusted for a global batch of %d over "
                  "%d epochs); the first %d steps (the warm-up) copy the weights", self._label("model_ema"),
                  cfg.model_ema_steps, self.ema.decay, cfg.model_ema_decay, global_batch, epochs,

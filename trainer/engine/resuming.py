@@ -35,7 +35,8 @@ def say_changed_settings(door: str, settings: TrainConfig, point: ResumePoint, c
     from trainer.engine.optim import changed_settings
 
     if door == BUILT_IN and point.door == BUILT_IN:
-        changes = [f"{flag_name(name)} {old} -> {new}" for name, old, new in changed_settings(settings, point.config)]
+        changes = [f"{flag_name(name)} {old if old != '' else 'unset'} -> {new if new != '' else 'unset'}"
+                   for name, old, new in changed_settings(settings, point.config)]
     else:  # each change once, though every parameter group of the optimizer has it
         changes = list(dict.fromkeys(str(change) for change in changed))
     if changes:

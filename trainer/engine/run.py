@@ -135,7 +135,8 @@ class Run:
         self._model, self._recipe.norm_group = model, self.strategy.norm_group
         self._names = (self._names[0] or name, self._names[1])
         with exit_on_usage_error():
-            forward = self._driver.forward(self._wrapped, self.position, self.total_steps, cfg)
+            forward = self._driver.forward(self._wrapped, self.position, self.total_steps, cfg,
+                                           self._state.steps_per_epoch)
         return self.strategy.compiled(forward)
 
     def autocast(self):
