@@ -91,8 +91,12 @@ def test_an_image_folder_with_the_policy_in_its_workers_and_repeats_resumes_bit_
            "--ra-sampler", "--ra-reps", "2", "--model-ema", "--model-ema-steps", "2", "--warmup-steps", "1",
            "--checkpoint-every", "4", "--keep-checkpoints", "10", "--val-every", "2"]
     (tmp_path / "through").mkdir()
-    train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through")
+    through = train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through")
     assert read_summary(tmp_path / "through" / "runs")["global_step"] == 12  # 24 samples, 4 a step, 2 epochs
+    # --augment auto's choice, in the start line: the light policy for crops this small, not the reference's crop.
+    assert "12 steps, 6 per epoch; augment light (auto: 32 px crops are below 128): a padded random crop + flip, " \
+           "the CIFAR recipe's, where torchvision's reference takes RandomResizedCrop at any size (--augment " \
+           "imagenet)\n" in through.stderr, through.stderr[-3000:]
     copy = tmp_path / "from" / "step-00000008.pt"  # epoch 1, batch 2 of 6
     copy.parent.mkdir()
     shutil.copy(tmp_path / "through" / "checkpoints" / copy.name, copy)

@@ -32,7 +32,7 @@ AUGMENTATIONS = ("auto", "imagenet", "light", "none")
 # --auto-augment: torchvision.transforms.v2's policies, by the reference script's names.
 AUTO_AUGMENT = ("ta_wide", "ra", "augmix", "imagenet", "cifar10", "svhn")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
-LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
+LIGHT_AUGMENT_BELOW = 128  # --augment auto: training crops smaller than this get the light policy
 # TRAIN_* names the launcher reads, which are not training options (the worker never sees them as such).
 LAUNCHER_VARIABLES = {"TRAIN_SCRIPT": "your own training script instead of the built-in trainer: a path, "
                                       "or -m and a module (trainer-launch --help)"}
@@ -61,7 +61,8 @@ class TrainConfig:
                              "of the two)", loop=True)
     augment: str = option("auto", "imagefolder augmentation: imagenet (random-resized crop + flip), light "
                           "(random crop with padding + flip, for small images), none (resize + center crop); "
-                          f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS, loop=True)
+                          f"auto: imagenet for training crops from {LIGHT_AUGMENT_BELOW} px up, else light (the "
+                          "run's first line says which)", AUGMENTATIONS, loop=True)
     synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)", loop=True)
     synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)",
                                        loop=True)
@@ -586,6 +587,12 @@ def _check_observability(cfg: TrainConfig, world_size: int, setting) -> None:
         raise UsageError(setting("profile_steps"), f"{cfg.profile_steps} ends beyond --max-steps {cfg.max_steps}",
                          f"profile steps up to {cfg.max_steps}")
     profile_rank_list(cfg.profile_ranks, world_size, setting("profile_ranks"))
+
+
+def augment_policy(augment: str, side: int) -> str:
+    """--augment's policy for crops of `side` pixels (an image folder's, a pack's): auto is imagenet (torchvision's
+    reference crop, RandomResizedCrop) from LIGHT_AUGMENT_BELOW px up, else light (the CIFAR recipe's padded crop)."""
+    return ("imagenet" if side >= LIGHT_AUGMENT_BELOW else "light") if augment == "auto" else augment
 
 
 def crop_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
