@@ -123,7 +123,8 @@ class TrainConfig:
     model_ema_steps: int = option(32, "--model-ema: update the average every N optimizer steps")
     model_ema_decay: float = option(0.99998, "--model-ema: the decay, adjusted as torchvision's reference does for "
                                     "the global batch, --model-ema-steps and --epochs; during the LR warm-up the "
-                                    "average copies the weights")
+                                    "average copies the weights (a script's: its first --warmup-steps); the run's "
+                                    "first lines say which steps")
     # Speed.
     amp: str = option("off", "mixed precision: bf16 (CUDA and CPUs), fp16 (CUDA, with a loss scaler)",
                      ("off", "bf16", "fp16"))

@@ -61,7 +61,8 @@ class Course:
         if state.over():  # a finished run started again: it trains nothing, and says so at its end
             return
         # In place every step trains the largest world's global batch, whatever the membership.
-        self.recipe.tune_ema(state.batch_size, self.driver.members.largest, state.epochs, state.total_steps)
+        self.recipe.tune_ema(state.batch_size, self.driver.members.largest, state.epochs, state.total_steps,
+                             state.position.step)
         self.observers.announce(*names, self.driver.world_line(), state.total_steps, state.steps_per_epoch,
                                 world_size)
 

@@ -104,7 +104,7 @@ def build_parts(ctx: DistContext, settings, door: str, label: Callable[[str], st
 
     scaler = torch.amp.GradScaler("cuda", enabled=settings.amp == "fp16")
     # torchvision's reference recipe: clipping, mixup and cutmix, the average of model_ema (made in resume()).
-    recipe = Recipe(settings, label, observers, scaler, checkpointer)
+    recipe = Recipe(settings, label, observers, scaler, checkpointer, script=door == SCRIPT)
     return Parts(driver, observers, checkpointer, scaler, recipe, state,
                  Course(ctx, settings, state, driver, observers, checkpointer, recipe, lr, label))
 
