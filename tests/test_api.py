@@ -264,6 +264,32 @@ def test_steps_group_micro_batches_and_drop_a_short_last_group(tmp_path):
     assert result.stdout.split() == " ".join(f"step {n} micro 2" for n in range(4)).split()
 
 
+def test_a_finished_script_started_again_trains_and_writes_nothing_and_says_so_as_the_built_in_loop_does(tmp_path):
+    """The built-in loop's line (tests/test_resume.py), with the script's keyword arguments for the settings; no
+    step past max_steps (one was trained, and committed), the checkpoint and summary.json left as they were."""
+    body = """
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.resume(model=model, optimizer=optimizer)
+        for micro_batches in run.steps([(torch.randn(2, 4), torch.randint(0, 2, (2,)))] * 3):
+            for x, y in micro_batches:
+                run.backward(torch.nn.functional.cross_entropy(model(x), y))
+            run.optimizer_step(optimizer)
+        """
+    path = script(tmp_path, body, "max_steps=2, checkpoint_dir='c', log_dir='r'")
+    assert run_script(path, tmp_path).returncode == 0
+    def written() -> dict:  # the checkpoints (not the directory's lock, each run's own) and the summary
+        return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in [*(tmp_path / "c").glob("step-*"),
+                                                                    tmp_path / "r" / "summary.json"]}
+
+    before = written()
+    again = run_script(path, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.splitlines()[-1].endswith("nothing to do: c/step-00000002.pt is at step 2 of 2, the run's end "
+                                                  "(raise epochs or max_steps to train on)"), again.stderr[-3000:]
+    assert "training Sequential" not in again.stderr  # no start line for a run with nothing to train
+    assert written() == before and len(before) == 2
+
+
 def test_a_bad_train_setting_for_a_script_is_one_line_from_the_launcher_before_torchrun(tmp_path):
     """A script on trainer.api reads the TRAIN_* settings, so trainer-launch checks them first, as it checks the
     built-in loop's: one line, exit 2, no worker started."""

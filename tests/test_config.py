@@ -81,6 +81,23 @@ def test_help_lists_every_option_with_its_env_name(tmp_path):
     assert "--env-file" in text
 
 
+def test_help_shows_the_value_each_option_has_from_the_environment_the_env_file_and_env_file(tmp_path):
+    """docs/settings.md: --help shows the value each option has where it runs: the environment's, else .env's (or
+    the file --env-file names), which the run would use."""
+    (tmp_path / ".env").write_text("TRAIN_LR=0.25\nTRAIN_BATCH_SIZE=5\n")
+    (tmp_path / "other.env").write_text("TRAIN_EPOCHS=7\n")
+    shown = {}
+    for args in (["--help"], ["--env-file", "other.env", "--help"]):
+        result = run_trainer(args, tmp_path, env={"TRAIN_BATCH_SIZE": "3"}, timeout=BAD_INPUT_TIMEOUT_S)
+        assert result.returncode == 0, result.stderr
+        shown[args[0]] = " ".join(result.stdout.split())
+    assert "[env TRAIN_LR=0.25 here (in .env); default 0.1]" in shown["--help"]
+    assert "[env TRAIN_BATCH_SIZE=3 here; default 64]" in shown["--help"]  # the environment wins over .env
+    assert "[env TRAIN_EPOCHS; default 5]" in shown["--help"]
+    assert "[env TRAIN_EPOCHS=7 here (in other.env); default 5]" in shown["--env-file"]
+    assert "[env TRAIN_LR; default 0.1]" in shown["--env-file"]  # .env is not read when another file is named
+
+
 # (arguments, environment, the setting the error must name)
 BAD_INPUTS = {
     "non-numeric flag": (["--lr", "abc"], {}, "--lr"),

@@ -173,6 +173,9 @@ def test_imagefolder_with_a_file_that_is_no_image(tmp_path, workers):
     result = run_trainer(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
                           "--batch-size", "2", "--num-workers", str(workers), *dirs_args(tmp_path)], tmp_path)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    # The start line says the policy --augment auto took for the default 224 px crops.
+    assert "; augment imagenet (auto: 224 px crops): RandomResizedCrop + flip, as torchvision's reference crops\n" \
+        in result.stderr, result.stderr[-3000:]
     warned = [line for line in result.stderr.splitlines() if "does not decode" in line]
     assert len(warned) == 1 and f"{broken} does not decode (not an image PIL can decode)" in warned[0], warned
     assert read_summary(tmp_path / "runs")["bad_files"] == 1

@@ -67,7 +67,10 @@ def test_everything_on_resumed_mid_epoch_at_two_processes_ends_bit_identical(eve
     checkpoint ends with the uninterrupted run's model, optimizer and EMA, bit for bit."""
     copy = mid_epoch_copy(everything_run, tmp_path, step, STEPS_PER_EPOCH)
 
-    train_ok([*EVERYTHING, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    resumed_run = train_ok([*EVERYTHING, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    # The EMA's line says what it does from here: the warm-up (10 steps) is behind a run resumed at step 25 or 50.
+    assert (f"every update averages (resumed at step {step}, past the LR warm-up's 10 steps)\n"
+            in resumed_run.stderr), resumed_run.stderr[-3000:]
     summary = read_summary(tmp_path / "runs")
     assert (summary["resumed_from_step"], summary["global_step"]) == (step, 2 * STEPS_PER_EPOCH)
     resumed, uninterrupted = newest(tmp_path / "checkpoints"), newest(everything_run / "checkpoints")
@@ -92,8 +95,12 @@ def test_an_image_folder_with_the_policy_in_its_workers_and_repeats_resumes_bit_
            "--ra-sampler", "--ra-reps", "2", "--model-ema", "--model-ema-steps", "2", "--warmup-steps", "1",
            "--checkpoint-every", "4", "--keep-checkpoints", "10", "--val-every", "2"]
     (tmp_path / "through").mkdir()
-    train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through")
+    through = train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through")
     assert read_summary(tmp_path / "through" / "runs")["global_step"] == 12  # 24 samples, 4 a step, 2 epochs
+    # --augment auto's choice, in the start line: the light policy for crops this small, not the reference's crop.
+    assert "12 steps, 6 per epoch; augment light (auto: 32 px crops are below 128): a padded random crop + flip, " \
+           "the CIFAR recipe's, where torchvision's reference takes RandomResizedCrop at any size (--augment " \
+           "imagenet)\n" in through.stderr, through.stderr[-3000:]
     copy = tmp_path / "from" / "step-00000008.pt"  # epoch 1, batch 2 of 6
     copy.parent.mkdir()
     shutil.copy(tmp_path / "through" / "checkpoints" / copy.name, copy)
@@ -193,10 +200,12 @@ def test_the_ema_after_n_steps_is_averaged_models_on_the_same_sequence(tmp_path)
     every 2 steps, the warm-up's updates copying."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    train_ok(["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "4", "--max-steps",
-              "10", "--warmup-steps", "3", "--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.999",
-              "--checkpoint-every", "1", "--keep-checkpoints", "20", "--val-every", "0", "--num-workers", "0",
-              *dirs_args(tmp_path)], tmp_path)
+    done = train_ok(["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "4",
+                     "--max-steps", "10", "--warmup-steps", "3", "--model-ema", "--model-ema-steps", "2",
+                     "--model-ema-decay", "0.999", "--checkpoint-every", "1", "--keep-checkpoints", "20",
+                     "--val-every", "0", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+    assert "--model-ema: an average of the weights every 2 steps, decay 0.992 (0.999 adjusted for a global batch of " \
+           "16 over 4 epochs); updates up to step 3 (the LR warm-up) copy the weights\n" in done.stderr, done.stderr
     states = {step: load_checkpoint(tmp_path / "checkpoints" / f"step-{step:08d}.pt") for step in range(1, 11)}
     decay = 1 - min(1.0, (1 - 0.999) * 16 * 2 / 4)  # (1 - decay) x world x batch x ema steps / epochs
     model = build_model("cnn", synthetic_spec(32))
@@ -311,6 +320,7 @@ def test_an_ema_starts_from_resumed_weights_and_one_left_off_is_kept_untouched(t
     started = train_ok([*base, "--max-steps", "6", "--model-ema", "--model-ema-steps", "100"], tmp_path)
     said = [line for line in started.stderr.splitlines() if "holds no average of the weights" in line]
     assert len(said) == 1 and "step-00000004.pt" in said[0], started.stderr[-3000:]
+    assert "every update averages (no LR warm-up)\n" in started.stderr, started.stderr[-3000:]  # --warmup-steps 0
     with_ema = newest(tmp_path / "checkpoints")
     assert with_ema["global_step"] == 6
     for name, value in plain["model"].items():  # no update in steps 5 and 6 (every 100): the resumed weights
@@ -384,6 +394,11 @@ def test_a_script_with_clipping_and_an_ema_from_the_environment_clips_and_resume
         return done
 
     through = script(tmp_path / "through", 24)
+    # The script's learning rate is constant (no scheduler): the EMA's line says its copies follow warmup_steps, and
+    # announces no LR warm-up.
+    assert "model_ema: an average of the weights every 2 steps, decay 0.99984 (0.99998 adjusted for a global batch " \
+           "of 8 over 2 epochs); updates up to step 2 copy the weights (warmup_steps 2; the script's learning rate " \
+           "is its own: warmup_steps=0 averages from the first)\n" in through.stderr, through.stderr[-3000:]
     largest = float(through.stdout.split("largest norm seen by the optimizer")[1].split()[0])
     assert largest <= 0.1 * (1 + 1e-5)
     logged = [value for _, value in read_scalars(tmp_path / "through" / "runs")["Grad/norm"]]
@@ -392,7 +407,9 @@ def test_a_script_with_clipping_and_an_ema_from_the_environment_clips_and_resume
     script(tmp_path / "stopped", 5)
     at_five = newest(tmp_path / "stopped" / "checkpoints")
     assert at_five["global_step"] == 5 and "model_ema" in at_five
-    script(tmp_path / "stopped", 24)
+    resumed = script(tmp_path / "stopped", 24)
+    assert "every update averages (resumed at step 5, past the 2 steps of warmup_steps 2)\n" in resumed.stderr, \
+        resumed.stderr[-3000:]
     assert_identical(torch.load(tmp_path / "stopped" / "ema-after-resume-5.pt", weights_only=True),
                      at_five["model_ema"], "the EMA resumed")
     assert_identical(newest(tmp_path / "stopped" / "checkpoints")["model_ema"],

@@ -23,7 +23,7 @@ from trainer.cluster.gpus import visible_gpu_count
 from trainer.cluster.topology import LAUNCHER, Topology, resolve
 from trainer.cluster.versions import cpu_versions, version_fingerprint
 from trainer.config import catalog, launcher
-from trainer.config.settings import TrainConfig, build_parser, load_config
+from trainer.config.settings import TrainConfig, build_parser, load_config, read_env_file
 from trainer.core.errors import OneLineErrorParser, UsageError, exit_on_usage_error
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -372,13 +372,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     own.add_argument("--data", metavar="DIR", help="instead of the checks: decode every image file of DIR (an image "
                      "folder, one split of it, or a pack) as training would, and list those that do not decode and "
                      "the class folders without an image; exits 1 if there are any")
-    # The whole command line, so that a mistake (or --help) names trainer-doctor and its options.
-    parser = OneLineErrorParser(
-        prog="trainer-doctor", usage="trainer-doctor [--json] [training options]", add_help=False,
-        parents=[own, build_parser()],
-        description="Preflight checks for distributed training; exits 1 if any check fails. The training "
-                    "options are read as the trainer reads them.")
     with exit_on_usage_error():
+        # The whole command line, so that a mistake (or --help) names trainer-doctor and its options; --help shows
+        # the values of the environment and the dotenv file (--env-file) as the trainer's does.
+        env_file, _, dotenv = read_env_file(own.parse_known_args(argv)[1])
+        parser = OneLineErrorParser(
+            prog="trainer-doctor", usage="trainer-doctor [--json] [training options]", add_help=False,
+            parents=[own, build_parser(os.environ, dotenv, env_file)],
+            description="Preflight checks for distributed training; exits 1 if any check fails. The training "
+                        "options are read as the trainer reads them.")
         parser.parse_args(argv)
         args, training_args = own.parse_known_args(argv)
         training = load_config(training_args, os.environ, world_size=1)

@@ -79,7 +79,8 @@ def render() -> str:
         "`.env` line that does not parse exits with code 2 and one line `error: <setting>: <what is wrong> (<how to "
         "fix>)`.",
         "A script on `trainer.api` reads the same variables (`api.Run(**settings)`: keyword arguments win).",
-        "`python -m trainer --help` prints the same table with the value each option has where it runs.",
+        "`python -m trainer --help` prints the same table with the value each option has where it runs: the",
+        "environment's, else the `.env` file's (or `--env-file`'s).",
         "",
         "## The run's settings (`python -m trainer`, `trainer-launch`, `trainer.api.Run`)",
         "",

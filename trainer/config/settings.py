@@ -14,6 +14,7 @@ import importlib.util
 import io
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -36,7 +37,7 @@ INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 LR_SCHEDULERS = ("steplr", "cosineannealinglr", "exponentiallr")
 REFERENCE_SCHEDULE = ("lr_scheduler", "lr_warmup_epochs", "lr_warmup_method", "lr_warmup_decay", "lr_step_size",
                       "lr_gamma", "lr_min")
-LIGHT_AUGMENT_BELOW = 128  # --augment auto: images smaller than this get the light policy
+LIGHT_AUGMENT_BELOW = 128  # --augment auto: training crops smaller than this get the light policy
 # TRAIN_* names the launcher reads, which are not training options (the worker never sees them as such).
 LAUNCHER_VARIABLES = {"TRAIN_SCRIPT": "your own training script instead of the built-in trainer: a path, "
                                       "or -m and a module (trainer-launch --help)"}
@@ -65,7 +66,8 @@ class TrainConfig:
                              "of the two)", loop=True)
     augment: str = option("auto", "imagefolder augmentation: imagenet (random-resized crop + flip), light "
                           "(random crop with padding + flip, for small images), none (resize + center crop); "
-                          f"auto: imagenet from {LIGHT_AUGMENT_BELOW} px up, else light", AUGMENTATIONS, loop=True)
+                          f"auto: imagenet for training crops from {LIGHT_AUGMENT_BELOW} px up, else light (the "
+                          "run's first line says which)", AUGMENTATIONS, loop=True)
     synthetic_size: int = option(10000, "synthetic training samples (validation gets a fifth as many)", loop=True)
     synthetic_image_size: int = option(32, "synthetic image side in pixels (32: CIFAR-shaped, 224: ImageNet-shaped)",
                                        loop=True)
@@ -146,7 +148,8 @@ class TrainConfig:
     model_ema_steps: int = option(32, "--model-ema: update the average every N optimizer steps")
     model_ema_decay: float = option(0.99998, "--model-ema: the decay, adjusted as torchvision's reference does for "
                                     "the global batch, --model-ema-steps and --epochs; during the LR warm-up the "
-                                    "average copies the weights")
+                                    "average copies the weights (a script's: its first --warmup-steps); the run's "
+                                    "first lines say which steps")
     # Speed.
     amp: str = option("off", "mixed precision: bf16 (CUDA and CPUs), fp16 (CUDA, with a loss scaler)",
                      ("off", "bf16", "fp16"))
@@ -313,7 +316,12 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None, dotenv: Mapping[str, str] | None = None,
+                 env_file: str = DEFAULT_ENV_FILE) -> argparse.ArgumentParser:
+    """The trainer's flags. --help shows beside each option the value it has where it runs: `environ`'s (default
+    os.environ), else the dotenv file's (`dotenv`, read from `env_file`: read_env_file())."""
+    environ = os.environ if environ is None else environ
+    dotenv = dotenv or {}
     parser = OneLineErrorParser(
         prog="trainer",
         description="One DistributedDataParallel training worker. Run it under torchrun "
@@ -326,11 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env-file", help="dotenv file read for TRAIN_* values (default: .env, if there is one; "
                         "/dev/null: none)")
     for f in OPTIONS:
-        # In a container the compose file sets its profile's values (the cpu profile: cnn, 2 epochs):
-        # --help shows what this run would use, beside the trainer's own default.
-        here = os.environ.get(env_name(f.name))
-        help_text = (f"{f.metadata['help']} [env {env_name(f.name)}{'=' + here + ' here' if here else ''}; "
-                     f"default {f.default}]").replace("%", "%%")  # argparse formats help with %
+        # In a container the compose file sets its profile's values (the cpu profile: cnn, 2 epochs), on bare
+        # metal the environment or .env may: --help shows what this run would use, beside the trainer's default.
+        name = env_name(f.name)
+        here = f"={environ[name]} here" if environ.get(name) else \
+            f"={dotenv[name]} here (in {env_file})" if dotenv.get(name) else ""
+        # argparse formats help with %
+        help_text = f"{f.metadata['help']} [env {name}{here}; default {f.default}]".replace("%", "%%")
         if f.type == "bool":
             parser.add_argument(flag_name(f.name), nargs="?", const="true", default=None,
                                 metavar="BOOL", help=help_text)
@@ -403,7 +413,8 @@ SHAPES_TRAINING = ("model", "dataset", "image_size", "augment", "synthetic_size"
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_size: int | None) -> TrainConfig:
     """Merge flags, environment, .env and defaults into a validated TrainConfig (the built-in loop's). world_size
     None: not known yet (the launcher's first look): the smallest world the settings fit, the pipeline's stages."""
-    parser = build_parser()
+    env_file, named, dotenv = read_env_file(argv)  # before the flags are parsed: --help shows its values
+    parser = build_parser(environ, dotenv, env_file)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = next((a for a in unknown if a.startswith("-")), unknown[0]).split("=")[0]
@@ -412,7 +423,17 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str], world_si
         raise UsageError("arguments", f"unrecognized arguments: {' '.join(unknown)}",
                          f"{hint}see `{parser.prog} --help`")
     flags = {f.name: (getattr(args, f.name), flag_name(f.name)) for f in OPTIONS if getattr(args, f.name) is not None}
-    return _merged(flags, environ, args.env_file, world_size, loop=True)
+    return _merged(flags, environ, args.env_file, world_size, loop=True, dotenv=dotenv)
+
+
+def read_env_file(argv: Sequence[str] | None) -> tuple[str, bool, dict[str, str]]:
+    """(path, named, its TRAIN_* and other values) of the dotenv file the command line names (--env-file), else the
+    default .env where there is one: read before the flags are parsed, so that --help can show its values."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--env-file")
+    named = first.parse_known_args(list(sys.argv[1:] if argv is None else argv))[0].env_file
+    path = named or DEFAULT_ENV_FILE
+    return path, named is not None, _read_dotenv(path, named=named is not None)
 
 
 def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], world_size: int) -> TrainConfig:
@@ -435,11 +456,12 @@ def script_settings(overrides: Mapping[str, Any], environ: Mapping[str, str], wo
 
 
 def _merged(given: Mapping[str, tuple[str, str]], environ: Mapping[str, str], env_file_named: str | None,
-            world_size: int | None, loop: bool) -> TrainConfig:
+            world_size: int | None, loop: bool, dotenv: Mapping[str, str] | None = None) -> TrainConfig:
     """given: {option: (raw value, the setting's name for errors)}, which win over the environment and .env; loop:
-    the built-in loop's (its own model and data checked too)."""
+    the built-in loop's (its own model and data checked too); dotenv: the file's values, if read already."""
     env_file = env_file_named or DEFAULT_ENV_FILE
-    dotenv = _read_dotenv(env_file, named=env_file_named is not None)
+    if dotenv is None:
+        dotenv = _read_dotenv(env_file, named=env_file_named is not None)
     _reject_unknown_names(environ, "the environment")
     _reject_unknown_names(dotenv, env_file)
     values: dict[str, Any] = {}
@@ -594,6 +616,12 @@ def _check_observability(cfg: TrainConfig, world_size: int, setting) -> None:
         raise UsageError(setting("profile_steps"), f"{cfg.profile_steps} ends beyond --max-steps {cfg.max_steps}",
                          f"profile steps up to {cfg.max_steps}")
     profile_rank_list(cfg.profile_ranks, world_size, setting("profile_ranks"))
+
+
+def augment_policy(augment: str, side: int) -> str:
+    """--augment's policy for crops of `side` pixels (an image folder's, a pack's): auto is imagenet (torchvision's
+    reference crop, RandomResizedCrop) from LIGHT_AUGMENT_BELOW px up, else light (the CIFAR recipe's padded crop)."""
+    return ("imagenet" if side >= LIGHT_AUGMENT_BELOW else "light") if augment == "auto" else augment
 
 
 def crop_sizes(cfg: TrainConfig) -> tuple[int, int, int]:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainer.config import catalog
 from trainer.config.catalog import DataSpec
-from trainer.config.settings import TrainConfig, bad_file_bound, crop_sizes
+from trainer.config.settings import TrainConfig, augment_policy, bad_file_bound, crop_sizes
 from trainer.core.errors import EchoedUsageError, UsageError, first_line
 from trainer.data.augment import sample_augment
 from trainer.data.images import (BadFiles, ImageFolderWithKeys, UnreadableImage, builtin_spec, sample_key, sample_keys,
@@ -219,7 +219,7 @@ def image_folder_class(cfg: TrainConfig, ctx: DistContext):
     (docs/benchmarks.md, "GPU (--decode gpu): not measured yet")."""
     from trainer.data import jpeg
 
-    light = jpeg.resolve_augment(cfg.augment, cfg.image_size) == "light"
+    light = augment_policy(cfg.augment, crop_sizes(cfg)[0]) == "light"  # the training crops' policy
     decode = cfg.decode
     if decode == "auto":
         decode = "cpu"

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from trainer.config import catalog
 from trainer.config.catalog import DataSpec
-from trainer.config.settings import LIGHT_AUGMENT_BELOW
+from trainer.config.settings import augment_policy
 from trainer.core.errors import EchoedUsageError, UsageError, first_line
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,7 @@ def image_transforms(train: bool, image_size: int, augment: str, resize: int = 0
     from torchvision import transforms
 
     mode = transforms.InterpolationMode(interpolation)
-    if augment == "auto":
-        augment = "imagenet" if image_size >= LIGHT_AUGMENT_BELOW else "light"
+    augment = augment_policy(augment, image_size)
     if augment == "imagenet":
         steps = [transforms.RandomResizedCrop(image_size, interpolation=mode), transforms.RandomHorizontalFlip()] \
             if train else [transforms.Resize(resize or int(image_size * 8 / 7), interpolation=mode),

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.config.settings import augment_policy
 from trainer.core.errors import first_line
 from trainer.data.images import UNDECODED_HERE, ImageFolderWithKeys, UnreadableImage, replacement, sample_key
 
@@ -66,12 +67,6 @@ class ViewPlan:
     height: int
     flip: bool
     shift: tuple[int, int] | None = None
-
-
-def resolve_augment(augment: str, side: int) -> str:
-    from trainer.config.settings import LIGHT_AUGMENT_BELOW
-
-    return ("imagenet" if side >= LIGHT_AUGMENT_BELOW else "light") if augment == "auto" else augment
 
 
 def light_padding(side: int) -> int:
@@ -116,7 +111,7 @@ def view_plan(key: int, width: int, height: int, side: int, train: bool, augment
     """The view of one sample of a width x height image: a pure function of the key and the geometry. resize: the
     validation images' shorter side before the centre crop (--val-resize-size; 0: 8/7 of the side for the imagenet
     policy, the side for the others)."""
-    augment = resolve_augment(augment, side)
+    augment = augment_policy(augment, side)
     if augment == "imagenet" and train:
         rnd = random.Random(key)
         left, top, w, h = random_resized_box(rnd, width, height)

@@ -26,11 +26,21 @@ from trainer.parallel.supervised import Supervised
 log = logging.getLogger("trainer")
 
 
+def say_nothing_to_do(path, step: int, total_steps: int | None, label: Callable[[str], str]) -> None:
+    """A finished run started again (compose up, a scheduler's retry): the one line that says it, the built-in
+    loop's (before it builds its model) and a script's (at its end) alike. label: a setting as its user writes it."""
+    of = f" of {total_steps}" if total_steps is not None else ""
+    log.info("nothing to do: %s is at step %d%s, the run's end (raise %s or %s to train on)", path, step, of,
+             label("epochs"), label("max_steps"))
+
+
 class Course:
     def __init__(self, ctx: DistContext, settings, state: TrainState, driver: Replicated, observers: Observers,
-                 checkpointer: Checkpointer, recipe: Recipe, lr: Callable[[], float | None]):
-        """lr: the learning rate the observers log after a step (the first optimizer's, once there is one)."""
-        self.ctx, self.settings, self.state = ctx, settings, state
+                 checkpointer: Checkpointer, recipe: Recipe, lr: Callable[[], float | None],
+                 label: Callable[[str], str]):
+        """lr: the learning rate the observers log after a step (the first optimizer's, once there is one); label: a
+        setting as the run's user wrote it (a flag or a keyword argument)."""
+        self.ctx, self.settings, self.state, self.label = ctx, settings, state, label
         self.driver, self.observers, self.checkpointer, self.recipe, self.lr = driver, observers, checkpointer, \
             recipe, lr
         self.supervised = Supervised(ctx)  # what this process does for its launcher
@@ -48,16 +58,18 @@ class Course:
         if state.resumed_from is not None:
             log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
                      state.position.step, state.position.epoch, state.position.batch)
+        if state.over():  # a finished run started again: it trains nothing, and says so at its end
+            return
         # In place every step trains the largest world's global batch, whatever the membership.
         self.recipe.tune_ema(state.batch_size, self.driver.members.largest, state.epochs, state.total_steps,
-                             state.steps_per_epoch)
+                             state.steps_per_epoch, state.position.step)
         self.observers.announce(*names, self.driver.world_line(), state.total_steps, state.steps_per_epoch,
                                 world_size)
 
     def epochs(self, count: int, sampler: Callable) -> Iterator[int]:
         state = self.state
         while state.position.epoch < count:  # under in-place recovery a peer's state may move the position on
-            if state.ended:
+            if state.over():
                 return
             epoch, started = state.position.epoch, time.perf_counter()
             made = sampler()  # the run's, once the script made it
@@ -99,7 +111,8 @@ class Course:
         code, state = 0, self.state
         if self.training:
             state.stopped = self.supervised.vote.finish() or state.stopped  # leave with no collective in flight
-            self.checkpointer.ending()  # the last one committed before the summary says so
+            if not (state.nothing_trained() and state.over()):  # a finished run started again writes nothing
+                self.checkpointer.ending()  # the last one committed before the summary says so
             if not state.stopped and state.ended and not state.ended_elsewhere:
                 self.driver.last_commit(state.position.step, self.checkpointer.last_committed == state.position.step,
                                         self._commit_last)
@@ -119,8 +132,7 @@ class Course:
         """summary.json (0; 1 if it cannot be written), and in place the job's end recorded for a host after it."""
         state = self.state
         if state.nothing_trained():  # a finished run started again (compose up, a scheduler's retry): as it was
-            log.info("nothing to do: %s is at step %d, the run's end (raise the epochs or max_steps to train on)",
-                     self.checkpointer.resumed_path, state.position.step)
+            say_nothing_to_do(self.checkpointer.resumed_path, state.position.step, state.total_steps, self.label)
             return 0
         status = "stopped" if state.stopped else "completed"
         summary = self.observers.summary(status, state.position.step, state.position.epoch,

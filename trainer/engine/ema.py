@@ -15,7 +15,8 @@ lerp). The reference's adjustments, followed here:
   (it updates after the first step of every epoch), this stack counts optimizer steps over the run (after step N
   when N is a multiple), so that a resumed run updates where the uninterrupted one did whatever its epochs;
 - during the LR warm-up it copies the weights instead of averaging them (n_averaged reset to 0 after each update:
-  the next update copies).
+  the next update copies); a script's learning rate is its own, and there the warm-up is warmup_steps' count of
+  steps. Its line at the start (Recipe.tune_ema) says which steps copy, if any, for the run as it starts.
 Its state (the averaged module's state_dict and n_averaged) is in every checkpoint, under "model_ema".
 """
 

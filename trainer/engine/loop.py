@@ -8,16 +8,13 @@ when to log, checkpoint, stop and validate.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
 from trainer.cluster.topology import WORKER, resolve
 from trainer.config.resume import check_same_workload
-from trainer.config.settings import TrainConfig, load_config, no_step_error
+from trainer.config.settings import TrainConfig, flag_name, load_config, no_step_error
 from trainer.core.errors import UsageError, exit_on_usage_error, print_error
-
-log = logging.getLogger("trainer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +42,7 @@ def train(run) -> int:
     import torch
 
     from trainer.data.datasets import Batches, build_datasets
+    from trainer.engine.course import say_nothing_to_do
     from trainer.engine.models import Objective, build_model
     from trainer.engine.optim import build_optimizer, build_scheduler
     from trainer.engine.validate import Validator
@@ -72,8 +70,7 @@ def train(run) -> int:
     total_steps = run.plan(steps_per_epoch, cfg.epochs)
     if found is not None and found.step >= total_steps:
         # A finished job started again (compose up, a scheduler's retry): its results stay as they are.
-        log.info("nothing to do: %s is at step %d of %d (raise --epochs or --max-steps to train on)",
-                 found.path, found.step, total_steps)
+        say_nothing_to_do(found.path, found.step, total_steps, flag_name)
         return 0
 
     model = run.all_or_none(lambda: recipe_fits(cfg, build_model(cfg.model, spec)))  # before anything is written

@@ -109,9 +109,9 @@ def build_parts(ctx: DistContext, settings, door: str, label: Callable[[str], st
 
     scaler = torch.amp.GradScaler("cuda", enabled=settings.amp == "fp16")
     # torchvision's reference recipe: clipping, mixup and cutmix, the average of model_ema (made in resume()).
-    recipe = Recipe(settings, label, observers, scaler, checkpointer)
+    recipe = Recipe(settings, label, observers, scaler, checkpointer, script=door == SCRIPT)
     return Parts(driver, observers, checkpointer, scaler, recipe, state,
-                 Course(ctx, settings, state, driver, observers, checkpointer, recipe, lr))
+                 Course(ctx, settings, state, driver, observers, checkpointer, recipe, lr, label))
 
 
 def newer_checkpoint(ctx: DistContext, state: TrainState, checkpointer: Checkpointer) -> int | None:

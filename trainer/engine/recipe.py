@@ -34,8 +34,10 @@ class Recipe:
     wrote it (a flag or a keyword argument), for the messages."""
 
     def __init__(self, settings: TrainConfig, label: Callable[[str], str], observers: Observers, scaler,
-                 checkpointer: Checkpointer):
-        self.settings, self._label = settings, label
+                 checkpointer: Checkpointer, script: bool = False):
+        """script: a script's run (trainer.api), whose learning rate is its own: the stack's warm-up is only a count
+        of steps there."""
+        self.settings, self._label, self._script = settings, label, script
         self._observers, self._scaler, self._checkpointer = observers, scaler, checkpointer
         self.ema: ModelEma | None = None  # the average of model_ema (made in attach_ema(), from run.resume())
         self._mixer: MixUpCutMix | None = None
@@ -135,10 +137,10 @@ class Recipe:
                  self._label("model_ema"), self._checkpointer.resumed_path)
 
     def tune_ema(self, batch_size: int | None, world: int, epochs: int | None, total_steps: int | None,
-                 steps_per_epoch: int | None = None) -> None:
+                 steps_per_epoch: int | None = None, start_step: int = 0) -> None:
         """The average's decay and warm-up, once the global batch, the epochs and the run's length are known (a
         script may give them after resume(): run.sampler(), run.epochs(N)); None: the settings' batch size and
-        epochs. Nothing without model_ema."""
+        epochs. start_step: the step the run starts from (a resumed one's). Nothing without model_ema."""
         if self.ema is None:
             return
         cfg = self.settings
@@ -146,7 +148,26 @@ class Recipe:
         epochs = epochs if epochs is not None else cfg.epochs
         self.ema.set_decay(model_ema.adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, epochs))
         self.ema.warmup_steps = optim.warmup_length(cfg, total_steps or 0, steps_per_epoch)
-        log.info("%s: an average of the weights every %d steps, decay %.6g (%g adjusted for a global batch of %d over "
-                 "%d epochs); the first %d steps (the warm-up) copy the weights", self._label("model_ema"),
-                 cfg.model_ema_steps, self.ema.decay, cfg.model_ema_decay, global_batch, epochs,
-                 self.ema.warmup_steps)
+        every = "every step" if cfg.model_ema_steps == 1 else f"every {cfg.model_ema_steps} steps"
+        log.info("%s: an average of the weights %s, decay %.6g (%g adjusted for a global batch of %d over %d epoch%s); "
+                 "%s", self._label("model_ema"), every, self.ema.decay, cfg.model_ema_decay, global_batch, epochs,
+                 "s" * (epochs != 1), self._warmup_words(self.ema.warmup_steps, total_steps, start_step))
+
+    def _warmup_words(self, warmup: int, total_steps: int | None, start_step: int) -> str:
+        """What the average does in the warm-up (the reference's copies follow its LR warm-up), true of this run: the
+        built-in loop's LR warm-up; a script's learning rate is its own, and its warm-up only warmup_steps' count."""
+        if not self._script:
+            if warmup == 0:
+                return "every update averages (no LR warm-up)"
+            if start_step >= warmup:
+                return f"every update averages (resumed at step {start_step}, past the LR warm-up's {warmup} steps)"
+            return f"updates up to step {warmup} (the LR warm-up) copy the weights"
+        cfg, setting = self.settings, self._label("warmup_steps")
+        count = f"{setting} {cfg.warmup_steps}" if cfg.warmup_steps >= 0 else \
+            f"{setting} -1: {optim.WARMUP_FRACTION:.0%} of the run's {total_steps or 0} steps"
+        if warmup == 0:
+            return f"every update averages ({count}: no warm-up)"
+        if start_step >= warmup:
+            return f"every update averages (resumed at step {start_step}, past the {warmup} steps of {count})"
+        return (f"updates up to step {warmup} copy the weights ({count}; the script's learning rate is its own: "
+                f"{setting}=0 averages from the first)")

@@ -308,7 +308,7 @@ class Run:
         self._start("run.steps()")
         state = self._state
         yield from self._course.steps(batches, Source(self.settings.grad_accum, lambda: state.position,
-                                                  lambda: state.ended, self.observers.batches, self.no_sync,
+                                                  state.over, self.observers.batches, self.no_sync,
                                                   self._once, self._model))
 
     def step(self, **scalars) -> bool:

@@ -53,6 +53,12 @@ class TrainState:
         self.epoch_count = self.epochs if self.epochs is not None else self.settings.epochs
         return self.epoch_count
 
+    def over(self) -> bool:
+        """No step is left: the last one is done, or the run resumed at or past its end (a finished run started
+        again: a script's, which trained a step past max_steps; the built-in loop returns before it builds its
+        model)."""
+        return self.ended or (self.resumed_from is not None and self.past_the_end())
+
     def past_the_end(self) -> bool:
         total = self.total_steps
         return (total is not None and self.position.step >= total) or \

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.config.settings import ELASTIC_WORLD_ENV
+from trainer.config.settings import ELASTIC_WORLD_ENV, LIGHT_AUGMENT_BELOW, augment_policy, crop_sizes
 from trainer.core.errors import os_reason, print_error
 from trainer.core.files import write_json_atomic
 from trainer.parallel.context import DistContext
@@ -30,6 +30,27 @@ log = logging.getLogger("trainer")
 # Kept for summary.json as val_loss, val_acc1, val_acc5 (and --model-ema's average's: val_ema_loss, ...).
 VALIDATION = ("Loss/val", "acc1/val", "acc5/val", "Loss/val_ema", "acc1/val_ema", "acc5/val_ema")
 MAX_PATHS_LISTED = 1000  # of the skipped files, in summary.json (bad_files counts them all)
+
+
+# --augment's policies as the start line says them.
+AUGMENT_WORDS = {"imagenet": "RandomResizedCrop + flip, as torchvision's reference crops",
+                 "light": "a padded random crop + flip, the CIFAR recipe's", "none": "resize + centre crop"}
+
+
+def augmenting(settings, dataset: str | None) -> str:
+    """The start line's word on --augment, for the datasets it shapes (image folders, packs): the policy taken and,
+    where auto took it, why (torchvision's reference crops with RandomResizedCrop at any size; auto below 128 px
+    takes the light policy)."""
+    if dataset not in ("imagefolder", "packed"):
+        return ""
+    side = crop_sizes(settings)[0]
+    policy = augment_policy(settings.augment, side)
+    if settings.augment != "auto":
+        return f"; augment {policy} ({AUGMENT_WORDS[policy]})"
+    if policy == "light":
+        return (f"; augment light (auto: {side} px crops are below {LIGHT_AUGMENT_BELOW}): {AUGMENT_WORDS[policy]}, "
+                "where torchvision's reference takes RandomResizedCrop at any size (--augment imagenet)")
+    return f"; augment imagenet (auto: {side} px crops): {AUGMENT_WORDS[policy]}"
 
 
 class Observers:
@@ -69,8 +90,8 @@ class Observers:
         steps = "" if total_steps is None else f", {total_steps} steps" + (
             f", {steps_per_epoch} per epoch" if steps_per_epoch is not None else "")
         settings = self.settings
-        log.info("training %s on %s: world size %s (%s, %s), strategy %s%s", model, dataset or "the script's data",
-                 world, self.ctx.backend, self.ctx.device, settings.strategy, steps)
+        log.info("training %s on %s: world size %s (%s, %s), strategy %s%s%s", model, dataset or "the script's data",
+                 world, self.ctx.backend, self.ctx.device, settings.strategy, steps, augmenting(settings, dataset))
         largest = os.environ.get(ELASTIC_WORLD_ENV, "")
         if largest.isdigit() and settings.global_batch_size:
             log.info("elastic: world size %d of at most %s; %d samples per process per micro-batch keep the job's "
