@@ -390,9 +390,16 @@ def rendezvous_failed(err: BaseException, job: Job, beat, timed_out: bool) -> in
                     "again there, with the others: the job resumes from the newest checkpoint)")
     else:
         detail = " ".join(str(err).split())[:300]
+        if not detail and timed_out:  # the c10d rendezvous' timeout says nothing
+            detail = (f"fewer than the {topology.min_nodes or topology.nnodes} hosts NNODES={topology.node_range} "
+                      f"needs joined within RDZV_TIMEOUT ({settings.rdzv_timeout} s)")
+        detail = detail or type(err).__name__
+        # An elastic job's hosts have no NODE_RANK: the rendezvous store is the MASTER_ADDR host's.
+        store_host = "the MASTER_ADDR host, which runs the rendezvous store," if topology.elastic else \
+            f"the host with {topology.variables('node_rank')[0]}=0"
         fix = (f"every host needs the same {', '.join(topology.variables('nnodes', 'master_addr', 'master_port'))} "
-               f"and the host with {topology.variables('node_rank')[0]}=0 up; open the master port in that host's "
-               "firewall; raise RDZV_TIMEOUT for slow starts")
+               f"and {store_host} up; open the master port in that host's firewall; raise RDZV_TIMEOUT for slow "
+               "starts")
         if "address already in use" in detail.lower() or "EADDRINUSE" in detail:
             fix = (f"another process took port {topology.master_port} between the launcher's check and the agent's "
                    "bind: choose a free MASTER_PORT, the same on every host (on one host, leave it unset and the "
