@@ -215,27 +215,35 @@ def test_killed_peer_without_restarts_fails_fast_naming_the_signal(tmp_path, lau
 
 # ------------------------------------------------------------------------------------ rendezvous
 
-def rendezvous(tmp_path: Path, node_rank: int, port: int) -> subprocess.Popen:
-    env = clean_env(launcher_env(port, NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1",
-                                 RDZV_TIMEOUT="3"))
+def rendezvous(tmp_path: Path, node_rank: int | None, port: int) -> subprocess.Popen:
+    """node_rank None: a host of an elastic job on the restart path (NNODES=2:2, MIN 2), alone."""
+    topology = dict(NNODES="2", NODE_RANK=str(node_rank)) if node_rank is not None else \
+        dict(NNODES="2:2", RECOVERY="restart")
+    env = clean_env(launcher_env(port, MASTER_ADDR="127.0.0.1", RDZV_TIMEOUT="3", **topology))
     return subprocess.Popen([sys.executable, "-m", "trainer.cli.launch", *tiny_run(tmp_path / f"node{node_rank}")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_rendezvous_that_cannot_complete_ends_within_rdzv_timeout(tmp_path):
-    """Node 1 with nobody at MASTER_ADDR:MASTER_PORT, and node 0 whose peer never comes (two worlds)."""
-    lone_port, empty_port = free_port(), free_port()
+    """Node 1 with nobody at MASTER_ADDR:MASTER_PORT, node 0 whose peer never comes (two worlds), and an elastic
+    job's host that no other joins (its c10d rendezvous' timeout has no message: the line gives the reason)."""
+    lone_port, empty_port, elastic_port = free_port(), free_port(), free_port()
     started = time.monotonic()
     lone_node0, lone_node1 = rendezvous(tmp_path, 0, lone_port), rendezvous(tmp_path, 1, empty_port)
-    for node, port, detail, bound_s in ((lone_node0, lone_port, "1/2 clients joined", 3 + SLACK_S),
-                                        # the store client retries its 3 s connect once or twice
-                                        (lone_node1, empty_port, "timed out", 3 * 3 + SLACK_S)):
+    lone_elastic = rendezvous(tmp_path, None, elastic_port)
+    for node, port, nodes, detail, bound_s in (
+            (lone_node0, lone_port, "2", "1/2 clients joined", 3 + SLACK_S),
+            # the store client retries its 3 s connect once or twice
+            (lone_node1, empty_port, "2", "timed out", 3 * 3 + SLACK_S),
+            (lone_elastic, elastic_port, "2:2", "failed: fewer than the 2 hosts NNODES=2:2 needs joined within "
+             "RDZV_TIMEOUT (3 s) (every host needs the same NNODES, MASTER_ADDR, MASTER_PORT and the MASTER_ADDR "
+             "host, which runs the rendezvous store, up;", 3 + SLACK_S)):
         _, stderr = node.communicate(timeout=RUN_BOUND_S)
         assert node.returncode == 1, stderr[-3000:]
         assert time.monotonic() - started < bound_s  # never the 900 s default
         (line,) = error_lines(stderr)
-        assert line.startswith(f"error: rendezvous at 127.0.0.1:{port} (2 nodes) failed: "), stderr[-3000:]
-        assert detail in line and "RDZV_TIMEOUT" in line
+        assert line.startswith(f"error: rendezvous at 127.0.0.1:{port} ({nodes} nodes) failed: "), stderr[-3000:]
+        assert detail in line and "RDZV_TIMEOUT" in line, line
         assert_no_traceback(stderr)
         assert "frame #" not in stderr  # no C++ stack traces from the store client's retries
     assert not list(tmp_path.glob("node*/checkpoints"))

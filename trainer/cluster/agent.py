@@ -38,6 +38,10 @@ BARRIER_NOTE_S = 3.0  # a wait for the other hosts that lasts this long is annou
 HOST = socket.gethostname()
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
 AGENT_LOG, PROCESSES_LOG = "torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"
+# PROCESSES_LOG's warning for each worker it stops ("Sending process 12712 closing signal SIGTERM"), its templates in
+# torch 2.13 and 2.14: at a restart or a new round the launcher's own line says why. Reworded by a torch upgrade, the
+# warning shows again; nothing else changes.
+CLOSING = ("Sending process %s closing signal %s", "Closing process %s via signal %s")
 
 
 class WorkerUsageError(Exception):
@@ -182,6 +186,20 @@ def quiet(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def without(name: str, messages: tuple[str, ...]) -> Iterator[None]:
+    """torch's logger `name` drops these messages (its format strings) inside the block; its others still show."""
+    def keep(record: logging.LogRecord) -> bool:
+        return record.msg not in messages
+
+    logger = logging.getLogger(name)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -193,9 +211,11 @@ class Job:
         self.topology, self.settings, self.folder = launch.topology, launch.settings, folder
         self.in_place = launch.in_place
         self.failures = self.starts = 0
+        self.beat: presence.Presence | None = None  # this launcher's beat in the store of a job of several hosts
         self.done_at: float | None = None  # when this host's workers succeeded (the exit barrier began)
         topology = self.topology  # the rendezvous store of a job of several hosts (static, or the c10d one)
         self.store_at = (topology.master_addr, topology.master_port) if topology.nnodes > 1 else None
+        self.local_addr = launch.rendezvous.local_addr if launch.rendezvous is not None else None
 
     def starting(self, group) -> None:
         """A static job's group meets under a key prefix of its own in the agent's store, which outlives restarts
@@ -205,6 +225,16 @@ class Job:
                 presence.newest_attempt(presence.store_client(self.store_at, 60), self.starts)
             os.environ[workers.STORE_PREFIX_ENV] = f"{workers.STORE_PREFIX}{attempt}"
         self.starts += 1
+
+    def joined(self, group, waiting: int) -> None:
+        """An elastic job's hosts waiting to join (`waiting`: the rendezvous' count) stop the running group: every
+        host's workers start again in a new round, with them. Said in one line (torch's only sign was its warning for
+        each worker it stops)."""
+        nodes = min(self.topology.nnodes, group.group_world_size + max(waiting, 1))
+        hosts = "a host" if waiting <= 1 else f"{waiting} hosts"
+        say(f"{hosts} joined the job: this host's workers stop, and every worker starts again at world size "
+            f"{nodes * self.topology.nproc_per_node} ({nodes} hosts, NNODES={self.topology.node_range}) from the "
+            "newest checkpoint")
 
     def named(self, rank: int) -> str | None:
         """In place, how a line names the agent's rank `rank`: the host's group is its own, so that is the host's
@@ -237,6 +267,14 @@ class Job:
         if self.topology.elastic:
             then = (f"the hosts still here meet again (NNODES={nodes}) and every rank starts again from the newest "
                     "checkpoint, at the new world size")
+            # Its own rank died of the lost peer: which host went away is what happened (the survivor's worker is
+            # only how it showed). Some seconds of the presence's watch, within those the rendezvous waits anyway
+            # for the lost host's heartbeats to lapse.
+            gone = self.beat.verdict() if self.beat is not None else None
+            if gone is not None:
+                if gone.startswith(presence.STORE_GONE_HEAD):
+                    then = "the hosts left cannot meet again without it"
+                return say(f"{head}: {gone}; {who} {how(code)} when it lost its peers; {then}")
         elif self.in_place:
             then = ("this host's ranks start again (from the newest checkpoint, then a live peer's state) and rejoin "
                     "in place; the other hosts go on without them meanwhile")
@@ -292,7 +330,16 @@ def agent_type():
             return super()._start_workers(worker_group)
 
         def _stop_workers(self, worker_group):  # a restart's or a new round's stop: the same grace as any other
-            self._shutdown(timeout=self.job.settings.workers_grace)
+            with without(PROCESSES_LOG, CLOSING):  # the line of the restart, or of the host that joined, says it
+                self._shutdown(timeout=self.job.settings.workers_grace)
+
+        def _restart_workers(self, worker_group):
+            # The agent restarts a failed group (Job.failed said why), and a healthy one when hosts wait to join.
+            # Torch-private: a torch that renames it only loses this line.
+            if worker_group.state == WorkerState.HEALTHY:
+                with contextlib.suppress(Exception):  # a line, never worth the job
+                    self.job.joined(worker_group, worker_group.spec.rdzv_handler.num_nodes_waiting())
+            return super()._restart_workers(worker_group)
 
         def _monitor_workers(self, worker_group):
             with quiet(PROCESSES_LOG):  # its report of each failed worker: the job's one line says it
@@ -364,7 +411,7 @@ def run(launch, program: list[str]) -> int:
                        lambda: os.kill(os.getpid(), signal.SIGTERM)) if settings.hang_timeout else None
         if dog is not None:
             dog.start()
-        beat = start_presence(job)
+        beat = job.beat = start_presence(job)
         spec = None
         try:
             spec = worker_spec(launch, program)
@@ -439,9 +486,16 @@ def rendezvous_failed(err: BaseException, job: Job, beat, timed_out: bool) -> in
                     "again there, with the others: the job resumes from the newest checkpoint)")
     else:
         detail = " ".join(str(err).split())[:300]
+        if not detail and timed_out:  # the c10d rendezvous' timeout says nothing
+            detail = (f"fewer than the {topology.min_nodes or topology.nnodes} hosts NNODES={topology.node_range} "
+                      f"needs joined within RDZV_TIMEOUT ({settings.rdzv_timeout} s)")
+        detail = detail or type(err).__name__
+        # An elastic job's hosts have no NODE_RANK: the rendezvous store is the MASTER_ADDR host's.
+        store_host = "the MASTER_ADDR host, which runs the rendezvous store," if topology.elastic else \
+            f"the host with {topology.variables('node_rank')[0]}=0"
         fix = (f"every host needs the same {', '.join(topology.variables('nnodes', 'master_addr', 'master_port'))} "
-               f"and the host with {topology.variables('node_rank')[0]}=0 up; open the master port in that host's "
-               "firewall; raise RDZV_TIMEOUT for slow starts")
+               f"and {store_host} up; open the master port in that host's firewall; raise RDZV_TIMEOUT for slow "
+               "starts")
         if "address already in use" in detail.lower() or "EADDRINUSE" in detail:
             fix = (f"another process took port {topology.master_port} between the launcher's check and the agent's "
                    "bind: choose a free MASTER_PORT, the same on every host (on one host, leave it unset and the "
@@ -454,7 +508,8 @@ def start_presence(job: Job) -> presence.Presence | None:
     if job.store_at is None:
         return None
     elastic = job.topology.elastic
-    beat = presence.Presence(job.store_at, presence.label("" if elastic else str(job.topology.node_rank)),
+    beat = presence.Presence(job.store_at, presence.label("" if elastic else str(job.topology.node_rank),
+                                                          job.local_addr),
                              (lambda: store_lost(job)) if elastic else None, STORE_LOST_S)
     beat.start()
     return beat

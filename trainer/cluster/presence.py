@@ -19,6 +19,7 @@ BEAT_S = 0.5
 SETTLE_S = 3.0  # six beats: a live launcher, even a loaded one, moves its counter within it
 STORE_S = 2  # a store operation that takes longer is the store gone
 PREFIX = "trainer-hosts"
+STORE_GONE_HEAD = "the rendezvous host "  # how verdict() begins when the store itself is what went away
 
 
 class Presence(threading.Thread):
@@ -36,6 +37,7 @@ class Presence(threading.Thread):
         self._beating = None  # this thread's client; the caller's is its own (a blocked beat blocks no verdict)
         self._asking = None
         self._done = threading.Event()
+        self._named: set[int] = set()  # slots a verdict named already: a lost launcher's slot stays quiet for good
 
     def _client(self):
         return store_client(self.store_at, STORE_S)
@@ -110,14 +112,14 @@ class Presence(threading.Thread):
     def verdict(self) -> str | None:
         """After this host's ranks failed: which hosts went away, in a clause, or None (none did, or unknown)."""
         host, port = self.store_at
-        gone_store = (f"the rendezvous host {host} went away (its store at {host}:{port} stopped answering: its "
+        gone_store = (f"{STORE_GONE_HEAD}{host} went away (its store at {host}:{port} stopped answering: its "
                       "launcher, its machine or the network to it is gone)")
         if self._store_silent():
             return gone_store
         try:
             store = self._ask()
             count = int(store.add(f"{PREFIX}/count", 0))
-            others = [s for s in range(1, count + 1) if s != self.slot]
+            others = [s for s in range(1, count + 1) if s != self.slot and s not in self._named]
             first = {s: int(store.add(f"{PREFIX}/{s}/beat", 0)) for s in others}
             quiet = set(others)
             deadline = time.monotonic() + SETTLE_S
@@ -127,6 +129,7 @@ class Presence(threading.Thread):
                     if store.check([f"{PREFIX}/{s}/left"]) or int(store.add(f"{PREFIX}/{s}/beat", 0)) != first[s]:
                         quiet.discard(s)
             names = [store.get(f"{PREFIX}/{s}/name").decode() for s in sorted(quiet)]
+            self._named |= quiet
         except Exception:  # noqa: BLE001 (the store itself stopped answering: its host is the one that went)
             return gone_store
         if not names:
@@ -144,9 +147,13 @@ def store_client(at: tuple[str, int], timeout_s: float):
     return TCPStore(at[0], at[1], is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def label(node_rank: str) -> str:
+def label(node_rank: str, address: str | None = None) -> str:
+    """How the others' lines name this host: a static job's node, an elastic one's host (with its address toward
+    the rendezvous host, where that is not loopback: hosts on one machine, or containers, share a hostname)."""
     host = socket.gethostname()
-    return f"node {node_rank} (host {host})" if node_rank.isdigit() else f"host {host}"
+    if node_rank.isdigit():
+        return f"node {node_rank} (host {host})"
+    return f"host {host} ({address})" if address and not address.startswith("127.") else f"host {host}"
 
 
 def newest_attempt(store, own: int) -> int:

@@ -4,6 +4,7 @@ same software on every host, amp as this device runs it, and the one line for a 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import replace
 from typing import Callable
@@ -91,6 +92,19 @@ def exit_for(exc_type, exc, timeout_setting: str, timeout_s: float) -> None:
             f"ranks' logs; {timeout_setting}, now {timeout_s:g} s, sets the wait)")
     if peer_failed_first():  # the cause is that rank's: the launcher's one error line names it
         sys.stderr.write(f"warning: {line}; a rank of this host failed first\n")
+    elif (restart := next_restart()) is not None:  # not the run's end: the launcher restarts the workers
+        sys.stderr.write(f"warning: {line}; a peer was lost: the launcher restarts the workers ({restart})\n")
     else:
         print_error(line)
     raise SystemExit(1) from None
+
+
+def next_restart() -> str | None:
+    """"restart N of M" where the agent that started this worker restarts it after a failure (torchrun's documented
+    TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS; an elastic job's membership changes count none); None
+    where no restart is left, or no agent restarts it."""
+    try:
+        done, most = (int(os.environ[f"TORCHELASTIC_{name}"]) for name in ("RESTART_COUNT", "MAX_RESTARTS"))
+    except (KeyError, ValueError):
+        return None
+    return f"restart {done + 1} of {most}" if done < most else None
