@@ -15,11 +15,11 @@ from trainer.checkpoint.checkpointer import Checkpointer, Labels
 from trainer.checkpoint.state import BUILT_IN, SCRIPT
 from trainer.cluster.topology import WORKER, resolve
 from trainer.config.settings import TrainConfig, script_settings
-from trainer.core.errors import exit_on_usage_error, print_error
+from trainer.core.errors import exit_on_usage_error
 from trainer.engine import inplace
 from trainer.engine.course import Course
 from trainer.engine.drivers import Replicated, driver_for
-from trainer.engine.process import check_same_software, for_this_device, join
+from trainer.engine.process import check_same_software, end_for_lost_lighthouse, for_this_device, join
 from trainer.engine.recipe import Recipe
 from trainer.engine.train_state import TrainState
 from trainer.observe.metrics import setup_logging
@@ -87,9 +87,7 @@ def build_parts(ctx: DistContext, settings, door: str, label: Callable[[str], st
             driver = driver_for(ctx, settings, os.environ, label, state=lambda: checkpointer.state_at(*where()),
                                 load=load, newer=lambda: newer_checkpoint(ctx, state, checkpointer))
         except inplace.QuorumFailed as lost:  # the lighthouse gone: an infrastructure fault, one line and exit 1
-            if ctx.is_local_main:
-                print_error(str(lost))
-            raise SystemExit(1) from None
+            end_for_lost_lighthouse(lost, say=ctx.is_local_main)
     try:
         with exit_on_usage_error():
             observers = Observers(settings, ctx, started, driver.members.writes)

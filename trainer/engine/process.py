@@ -80,6 +80,8 @@ def exit_for(exc_type, exc, timeout_setting: str, timeout_s: float) -> None:
     if issubclass(exc_type, UsageError):
         with exit_on_usage_error():
             raise exc
+    if issubclass(exc_type, inplace.QuorumFailed):  # an infrastructure fault: the launcher may restart the workers
+        end_for_lost_lighthouse(exc)
     if issubclass(exc_type, RUN_ERRORS):
         print_error(str(exc))
         raise SystemExit(1) from None
@@ -96,6 +98,17 @@ def exit_for(exc_type, exc, timeout_setting: str, timeout_s: float) -> None:
         sys.stderr.write(f"warning: {line}; a peer was lost: the launcher restarts the workers ({restart})\n")
     else:
         print_error(line)
+    raise SystemExit(1) from None
+
+
+def end_for_lost_lighthouse(lost: Exception, say: bool = True) -> None:
+    """In place, no quorum or no lighthouse: exit 1, restartable (never 2, a mistake in the settings); a warning while
+    the launcher has a restart left (not the run's end), else the run's one error line. say: this process says it."""
+    if say:
+        if (restart := next_restart()) is not None:
+            sys.stderr.write(f"warning: {lost}; the launcher restarts the workers ({restart})\n")
+        else:
+            print_error(str(lost))
     raise SystemExit(1) from None
 
 
