@@ -268,7 +268,9 @@ def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(
         time.sleep(0.5)
     assert pods.state(0)["ExitCode"] == 0, pods.all_logs()
     log = pods.logs(0)
-    assert re.search(r"^restart \d+ of 10: rank \d+ .*; the hosts still here meet again \(NNODES=1:2\)", log, re.M), log
+    # It names the pod that went away, not only its own rank that died of it.
+    assert re.search(r"^restart \d+ of 10: host .+ went away \(.*\); rank \d+ .*; the hosts still here meet again "
+                     r"\(NNODES=1:2\)", log, re.M), log
     assert re.findall(r"INFO training .* world size (\d+) ", log)[-1] == "2", log[-3000:]
     summary = json.loads((pods.runs / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["world_size"] == 2
