@@ -184,8 +184,9 @@ def probe(args, work: Path) -> tuple[str, int]:
         while answers("127.0.0.1", port) is not None:
             if lighthouse.poll() is not None or time.monotonic() > deadline:
                 return (f"error: the lighthouse did not answer at 127.0.0.1:{port} "
-                        f"({' | '.join(tail(work / 'lighthouse.err', 3)) or ended(lighthouse.returncode or 0)})"), 1
+                        f"({cause(tail(work / 'lighthouse.err', 20))})"), 1
             time.sleep(0.1)
+
         def one(index: int) -> subprocess.Popen:
             return start([sys.executable, "-m", "bench.torchft_ddp_crash", "--replica", str(index), "--lighthouse",
                           f"http://127.0.0.1:{port}", "--store-port", str(free_port()), "--kill-at",
@@ -194,10 +195,10 @@ def probe(args, work: Path) -> tuple[str, int]:
         survivor, victim = one(0), one(1)
         survivor_out, victim_out = work / "replica0.out", work / "replica1.out"
         while HELD not in (victim_out.read_text(errors="replace") if victim_out.exists() else ""):
-            for name, proc in (("replica 0", survivor), ("replica 1", victim)):
+            for index, proc in enumerate((survivor, victim)):
                 if proc.poll() is not None:
-                    why = cause(tail(work / f"replica{name[-1]}.err", 20))
-                    return (f"error: {name} ended ({ended(proc.returncode)}) before the two trained together to step "
+                    why = cause(tail(work / f"replica{index}.err", 20))
+                    return (f"error: replica {index} ended ({ended(proc.returncode)}) before the two trained together to step "
                             f"{args.kill_at}: {why}"), 1
             if time.monotonic() > deadline:
                 return (f"error: the replicas did not train together to step {args.kill_at} in {args.start_s:g} s "

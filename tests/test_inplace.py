@@ -959,6 +959,19 @@ def test_the_torchft_ddp_wrapper_probe_says_in_one_line_whether_the_survivor_of_
     assert took < 60, f"the probe took {took:.0f} s"
 
 
+def test_the_torchft_ddp_wrapper_probe_that_cannot_run_exits_1_with_why_and_no_verdict(tmp_path):
+    """The probe's only failure is not running at all (its verdicts exit 0): torchft hidden from its processes."""
+    from helpers import clean_env
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")
+    done = subprocess.run([sys.executable, "-m", "bench.torchft_ddp_crash", "--start-s", "20"], cwd=REPO,
+                          env=clean_env({"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert re.fullmatch(r"error: the lighthouse did not answer at 127\.0\.0\.1:\d+ \(ModuleNotFoundError: .*torchft.*\)\n",
+                        done.stderr), done.stderr
+
+
 def test_an_unknown_recovery_is_one_line_and_exit_2():
     done = dry_run({"RECOVERY": "sometimes"}, "--model", "cnn")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
