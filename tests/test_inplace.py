@@ -928,6 +928,50 @@ def test_a_torchft_release_the_code_does_not_know_is_refused_in_one_line_naming_
     assert path == "restart"
 
 
+@pytest.mark.slow
+def test_the_torchft_ddp_wrapper_probe_says_in_one_line_whether_the_survivor_of_a_peers_loss_went_on(tmp_path):
+    """bench/torchft_ddp_crash.py, why inplace.py sums by hand: torchft's own DDP wrapper, two real replica groups and
+    a real lighthouse, one replica SIGKILLed while the other waits in the wrapper's comm hook. Either verdict passes
+    (torchft 0.2.0's survivor crashes; a later torchft's may go on); the probe must reach one, quickly, and exit 0."""
+    from importlib import metadata
+
+    from helpers import clean_env
+
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "bench.torchft_ddp_crash", "--start-s", "40", "--after-s", "15",
+                           "--keep", str(tmp_path)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=90)
+    took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout
+    version = re.escape(metadata.version("torchft"))
+    crashed = re.fullmatch(rf"torchft {version}: the survivor crashed at the peer's loss \((exit \d+|killed by SIG\w+), "
+                           r"\d+ steps? after it; its last before it: \d+\): (?P<error>\w+.*)", lines[0])
+    went_on = re.fullmatch(rf"torchft {version}: the survivor went on, (?P<steps>\d+) steps after the peer's loss "
+                           r"\(.*\): the wrapper may replace the hand-made sum", lines[0])
+    assert crashed or went_on, lines[0]
+    if crashed:  # the survivor's own error, from its stderr, and its peer's kill came while both trained
+        assert "(nothing on stderr)" not in crashed["error"], lines[0]
+        assert (tmp_path / "replica1.out").read_text().splitlines()[-1].endswith("held after the forward pass")
+    else:
+        assert int(went_on["steps"]) >= 5, lines[0]
+    assert took < 60, f"the probe took {took:.0f} s"
+
+
+def test_the_torchft_ddp_wrapper_probe_that_cannot_run_exits_1_with_why_and_no_verdict(tmp_path):
+    """The probe's only failure is not running at all (its verdicts exit 0): torchft hidden from its processes."""
+    from helpers import clean_env
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")
+    done = subprocess.run([sys.executable, "-m", "bench.torchft_ddp_crash", "--start-s", "20"], cwd=REPO,
+                          env=clean_env({"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert re.fullmatch(r"error: the lighthouse did not answer at 127\.0\.0\.1:\d+ \(ModuleNotFoundError: .*torchft.*\)\n",
+                        done.stderr), done.stderr
+
+
 def test_an_unknown_recovery_is_one_line_and_exit_2():
     done = dry_run({"RECOVERY": "sometimes"}, "--model", "cnn")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [

@@ -35,6 +35,7 @@ first lost peer (ManagedWork.wait() reports the gloo error and leaves the future
 find_unused_parameters=True to keep torch's reducer from rebuilding its buckets, whose layout would then differ
 between a host that just joined and the others (their sums would pair different gradients). One sum of the
 gradients in the parameters' own order after the backward has neither problem (docs/benchmarks.md has its cost).
+Whether an installed torchft's wrapper still crashes: `python -m bench.torchft_ddp_crash` (one line, either way).
 """
 
 from __future__ import annotations
