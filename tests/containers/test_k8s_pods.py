@@ -347,8 +347,8 @@ def test_in_place_job_pods_train_together_at_the_lighthouse_service_and_a_killed
     pids = workers()
     assert len(pids) >= 2, pods.containers[0].top()
     before = len(sizes(0))
+    killed = time.monotonic()  # before the call: docker kill returns once the container is gone, seconds later
     pods.containers[1].kill()  # SIGKILL: what a node failure or an OOM kill does to the pod
-    killed = time.monotonic()
     while sizes(0)[before:].count("2") == 0:
         assert time.monotonic() < deadline and pods.state(0)["Status"] == "running", pods.all_logs()
         time.sleep(0.2)
