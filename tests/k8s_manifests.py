@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = ROOT / "k8s"
 MANIFESTS = {"trainjob": K8S_DIR / "trainjob.yaml", "pytorchjob": K8S_DIR / "pytorchjob.yaml",
              "indexed-job": K8S_DIR / "indexed-job.yaml", "storage": K8S_DIR / "storage.yaml",
-             "pytorchjob-elastic": K8S_DIR / "pytorchjob-elastic.yaml"}
+             "pytorchjob-elastic": K8S_DIR / "pytorchjob-elastic.yaml",
+             "indexed-job-inplace": K8S_DIR / "indexed-job-inplace.yaml"}
 # Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
 OLDEST_KUBERNETES = "1.29"
 K8S_DEFS = "https://kubernetes.io/api/_definitions.json"
@@ -263,7 +264,7 @@ def static_env(container: dict) -> dict[str, str]:
 
 def pod_environments(kind: str, docs: list[dict]) -> list[Pod]:
     return {"trainjob": _trainjob_pods, "pytorchjob": _pytorchjob_pods, "indexed-job": _indexed_job_pods,
-            "pytorchjob-elastic": _elastic_pytorchjob_pods}[kind](docs)
+            "pytorchjob-elastic": _elastic_pytorchjob_pods, "indexed-job-inplace": _indexed_job_pods}[kind](docs)
 
 
 def _elastic_pytorchjob_pods(docs: list[dict]) -> list[Pod]:
@@ -351,6 +352,31 @@ def _indexed_job_pods(docs: list[dict]) -> list[Pod]:
     return [Pod(f"{name}-{index}", index, {**static_env(container), "JOB_COMPLETION_INDEX": str(index)},
                 container, pod_spec)
             for index in range(spec["completions"])]
+
+
+@dataclass
+class Lighthouse:
+    """An in-place job's lighthouse as its Deployment runs it, and the Service the workers reach it by."""
+    service: dict
+    deployment: dict
+    container: dict
+    pod_spec: dict
+
+    @property
+    def argv(self) -> list[str]:
+        """Its container's command line: the image's entrypoint replaced by command, then args."""
+        return [*self.container["command"], *self.container.get("args", [])]
+
+    def option(self, name: str) -> str:
+        return self.argv[self.argv.index(name) + 1]
+
+
+def lighthouse(docs: list[dict]) -> Lighthouse:
+    deployment = one(docs, "Deployment")
+    [service] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == deployment["metadata"]["name"]]
+    pod_spec = deployment["spec"]["template"]["spec"]
+    [container] = [c for c in pod_spec["containers"] if c["name"] == "lighthouse"]
+    return Lighthouse(service, deployment, container, pod_spec)
 
 
 def master_host(kind: str, docs: list[dict]) -> str:

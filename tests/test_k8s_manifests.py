@@ -11,16 +11,20 @@ from __future__ import annotations
 import copy
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
 import k8s_manifests as k8s
-from helpers import clean_env
+from helpers import clean_env, free_port
 from k8s_manifests import ROOT
 
 WORKLOADS = ("trainjob", "pytorchjob", "indexed-job")
+IN_PLACE = "indexed-job-inplace"  # the elastic in-place job: workers of an Indexed Job, its lighthouse apart
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
 
@@ -73,6 +77,9 @@ MISTAKES = {
                                         "spec.pytorchReplicaSpecs.Master.template.spec.volumes", None, "volume"),
     "job-misspelt-completionMode": ("indexed-job", "Job", "spec.completionMode", None, "completionmode"),
     "job-shm-medium-number": ("indexed-job", "Job", "spec.template.spec.volumes[0].emptyDir.medium", 5, None),
+    "deployment-misspelt-readinessProbe": (IN_PLACE, "Deployment", "spec.template.spec.containers[0].readinessProbe",
+                                           None, "readinesProbe"),
+    "deployment-replicas-string": (IN_PLACE, "Deployment", "spec.replicas", "one", None),
 }
 
 
@@ -101,7 +108,7 @@ def _claims() -> set[str]:
             if d["kind"] == "PersistentVolumeClaim"}
 
 
-@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("workload", [*WORKLOADS, IN_PLACE])
 def test_pods_run_as_the_images_user_with_shm_and_checkpoints_on_a_claim(workload):
     uid, gid = image_uid_gid()
     for pod in _pods(workload):
@@ -119,7 +126,7 @@ def test_pods_run_as_the_images_user_with_shm_and_checkpoints_on_a_claim(workloa
         assert pod.pod_spec["enableServiceLinks"] is False  # no Service can shadow MASTER_PORT
 
 
-@pytest.mark.parametrize("workload", [*WORKLOADS, "pytorchjob-elastic"])
+@pytest.mark.parametrize("workload", [*WORKLOADS, "pytorchjob-elastic", IN_PLACE])
 def test_a_stop_has_one_grace_period_the_launcher_sees_and_fits_in(workload):
     """The pod's terminationGracePeriodSeconds is in its environment (the launcher warns when STOP_GRACE_PERIOD would
     outlast it), and the launcher's default STOP_GRACE_PERIOD fits in it."""
@@ -131,7 +138,7 @@ def test_a_stop_has_one_grace_period_the_launcher_sees_and_fits_in(workload):
         assert launcher.grace_s(pod.env) <= grace and not launcher.grace_warnings(pod.env, launcher.grace_s(pod.env))
 
 
-@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("workload", [*WORKLOADS, IN_PLACE])
 def test_tensorboard_listens_on_loopback_beside_rank_0(workload):
     pod0 = _pods(workload)[0]
     [sidecar] = [c for c in pod0.pod_spec.get("initContainers", []) if c["name"] == "tensorboard"]
@@ -143,11 +150,14 @@ def test_tensorboard_listens_on_loopback_beside_rank_0(workload):
 
 
 def test_a_failed_pod_is_restarted_and_a_usage_error_is_not():
-    docs = {w: k8s.documents(k8s.MANIFESTS[w]) for w in WORKLOADS}
-    job = k8s.one(docs["indexed-job"], "Job")["spec"]
-    assert job["backoffLimit"] > 0 and job["template"]["spec"]["restartPolicy"] == "Never"
-    assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}} \
-        in job["podFailurePolicy"]["rules"]
+    docs = {w: k8s.documents(k8s.MANIFESTS[w]) for w in (*WORKLOADS, IN_PLACE)}
+    for workload in ("indexed-job", IN_PLACE):
+        job = k8s.one(docs[workload], "Job")["spec"]
+        assert job["backoffLimit"] > 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+        assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}} \
+            in job["podFailurePolicy"]["rules"]
+    lighthouse = k8s.lighthouse(docs[IN_PLACE])  # restarted in its pod, its pod replaced by the Deployment
+    assert lighthouse.pod_spec["restartPolicy"] == "Always" and lighthouse.deployment["spec"]["replicas"] == 1
 
     pytorchjob = k8s.one(docs["pytorchjob"], "PyTorchJob")["spec"]
     assert pytorchjob["runPolicy"]["backoffLimit"] > 0
@@ -204,3 +214,91 @@ def test_an_elastic_pytorchjobs_pods_resolve_one_c10d_rendezvous_at_worker_0():
         assert command[:2] == ["torchrun", "--nnodes=1:2"] and "--rdzv-backend=c10d" in command
         assert "--rdzv-endpoint=ddp-trainer-elastic-worker-0:29500" in command and "--max-restarts=10" in command
     assert len({json.dumps(t, sort_keys=True) for t in resolved}) == 1  # the same job on every pod
+
+
+# ---------------------------------------------------------------------------------------------
+# The in-place job: its lighthouse on its own, behind a Service, and workers that meet there
+
+def test_an_in_place_jobs_pods_meet_in_place_at_the_lighthouses_service():
+    """Every worker pod of k8s/indexed-job-inplace.yaml resolves, through trainer-launch --dry-run with exactly its
+    environment, to the same in-place job: NNODES=1:2, no node rank of its own (JOB_COMPLETION_INDEX unused), torchft's
+    lighthouse at the Service's name and port, no c10d rendezvous across the pods."""
+    docs = k8s.documents(k8s.MANIFESTS[IN_PLACE])
+    service = k8s.lighthouse(docs).service
+    [port] = service["spec"]["ports"]
+    pods = _pods(IN_PLACE)
+    assert len(pods) == 2 and [p.env["JOB_COMPLETION_INDEX"] for p in pods] == ["0", "1"]
+    resolved = [dry_run(pod.env) for pod in pods]
+    for topology in resolved:
+        assert (topology["nnodes"], topology["min_nodes"], topology["max_nodes"]) == ("1:2", 1, 2), topology
+        assert topology["world_sizes"] == [4, 8] and topology["recovery"] == "in-place", topology
+        assert topology["node_rank"].startswith("none (in place") and topology["rendezvous"].startswith("none (in place")
+        assert (topology["master_addr"], topology["master_port"]) == (service["metadata"]["name"], port["port"])
+        assert f"torchft's lighthouse at http://{service['metadata']['name']}:{port['port']} " \
+            in topology["recovery_line"], topology
+    # The same job on every pod (the command differs only in the free port of each pod's own group).
+    assert len({json.dumps({**t, "command": None}, sort_keys=True) for t in resolved}) == 1
+
+
+def test_the_lighthouse_runs_apart_with_the_jobs_settings_behind_one_address():
+    """The lighthouse's Deployment runs it as compose.multinode.yaml's service does (tini, python3 -m
+    trainer.cluster.lighthouse), with the workers' MASTER_PORT, NNODES and collective timeout; one replica, never two
+    at once (an update stops the old one first); its Service is a ClusterIP (an address that outlives the lighthouse's
+    pod, the job's identity in the checkpoint directory) that selects the lighthouse's pod and no worker's."""
+    docs = k8s.documents(k8s.MANIFESTS[IN_PLACE])
+    lighthouse = k8s.lighthouse(docs)
+    env = _pods(IN_PLACE)[0].env
+    spec = lighthouse.deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    assert lighthouse.argv[:5] == ["tini", "--", "python3", "-m", "trainer.cluster.lighthouse"]
+    assert lighthouse.option("--port") == env["MASTER_PORT"] and lighthouse.option("--nnodes") == env["NNODES"]
+    assert lighthouse.option("--join-timeout") == env.get("TRAIN_COLLECTIVE_TIMEOUT", "300")
+
+    service = lighthouse.service["spec"]
+    assert service.get("type", "ClusterIP") == "ClusterIP" and service.get("clusterIP") != "None"
+    assert lighthouse.service["metadata"]["name"] == env["MASTER_ADDR"]
+    [port] = service["ports"]
+    [container_port] = lighthouse.container["ports"]
+    assert str(port["port"]) == env["MASTER_PORT"] and port["targetPort"] == container_port["name"]
+    assert container_port["containerPort"] == int(env["MASTER_PORT"])
+    selector = service["selector"].items()
+    assert selector <= lighthouse.deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert selector <= spec["selector"]["matchLabels"].items()
+    worker_labels = k8s.one(docs, "Job")["spec"]["template"]["metadata"]["labels"]
+    assert not selector <= worker_labels.items(), "the Service would send the lighthouse's traffic to a worker"
+    security = lighthouse.pod_spec["securityContext"]
+    assert security["runAsNonRoot"] is True and (security["runAsUser"], security["runAsGroup"]) == image_uid_gid()
+    assert lighthouse.container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert lighthouse.pod_spec["enableServiceLinks"] is False
+
+
+def test_the_lighthouse_as_its_deployment_starts_it_answers_its_probes_and_stops_at_once():
+    """The lighthouse's container command, run as is (tini included; only the port is a free one here): its readiness
+    probe's HTTP GET is answered 200 on the probe's path (the dashboard page the launchers ask for: answers() is None),
+    and SIGTERM, what the kubelet sends first, ends it with exit 0 well inside terminationGracePeriodSeconds."""
+    from trainer.cluster import lighthouse as lighthouse_module
+
+    lighthouse = k8s.lighthouse(k8s.documents(k8s.MANIFESTS[IN_PLACE]))
+    port = free_port()
+    argv = list(lighthouse.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    assert argv[2] == "python3"
+    argv[2] = sys.executable  # the image's python3, here this test's
+    probe = lighthouse.container["readinessProbe"]["httpGet"]
+    assert probe["port"] == lighthouse.container["ports"][0]["name"]
+    proc = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while lighthouse_module.answers("127.0.0.1", port) is not None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)[0]
+            time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe['path']}", timeout=5) as answer:
+            assert answer.status == 200  # the kubelet's httpGet probe succeeds on 200-399
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=lighthouse.pod_spec["terminationGracePeriodSeconds"]) == 0
+        assert time.monotonic() - began < 3, "SIGTERM should end the lighthouse at once"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -8,7 +8,9 @@ What stands in for the cluster:
     container as in a real pod, which every simulated pod joins, so the controllers' fixed port
     (29500) is used as the manifests say without meeting anything else on the host; the pods' DNS
     name for pod 0 (<job>-0.<service>, <job>-master-0, <trainjob>-node-0-0.<trainjob>) resolves to
-    loopback through /etc/hosts;
+    loopback through /etc/hosts. For the in-place job, whose pods meet at a Service rather than at pod 0:
+    an internal Docker network (no route out), each pod an address of its own on it, the Service's name
+    an alias of the lighthouse pod's address there (Docker's DNS), as the cluster's DNS resolves it;
   * the ReadWriteMany claims: two host directories mounted at /checkpoints and /runs in every pod;
   * the manifests' CPU variant: what a user changes to run them without GPUs (the CPU image, 2
     processes per node, a small model and data set); the topology variables are untouched.
@@ -37,6 +39,7 @@ TRAINING = {  # the CPU variant's options: 16 steps per epoch at 2 x 2 processes
     "TRAIN_LR": "0.05", "TRAIN_EPOCHS": "2", "TRAIN_LOG_EVERY": "4", "TRAIN_CHECKPOINT_EVERY": "8",
 }
 STEPS_PER_EPOCH = 2048 // (32 * 2 * CPU_NPROC)
+IN_PLACE_JOB = "indexed-job-inplace"
 
 
 def cpu_variant(workload: str, training: dict[str, str]) -> list[dict]:
@@ -64,14 +67,19 @@ def cpu_variant(workload: str, training: dict[str, str]) -> list[dict]:
         elif doc["kind"] == "Job":
             for c in doc["spec"]["template"]["spec"]["containers"]:
                 adapt(c)
+        elif doc["kind"] == "Deployment" and "TRAIN_COLLECTIVE_TIMEOUT" in training:
+            for c in doc["spec"]["template"]["spec"]["containers"]:  # the lighthouse's, changed with the workers'
+                c["args"][c["args"].index("--join-timeout") + 1] = training["TRAIN_COLLECTIVE_TIMEOUT"]
     return docs
 
 
 class SimulatedPods:
     """The pods a controller makes from one manifest, as containers in one loopback-only network."""
 
-    def __init__(self, client, workload: str, docs: list[dict], tmp: Path):
-        self.client, self.workload = client, workload
+    def __init__(self, client, workload: str, docs: list[dict], tmp: Path, network: bool = False):
+        """network: the pods get addresses of their own on an internal network (the in-place job), rather than
+        one loopback-only namespace."""
+        self.client, self.workload, self.docs = client, workload, docs
         self.pods = k8s.pod_environments(workload, docs)
         self.prefix = f"ddpt-k8s-{workload}-{uuid.uuid4().hex[:6]}"
         self.checkpoints, self.runs = tmp / "checkpoints", tmp / "runs"
@@ -80,10 +88,17 @@ class SimulatedPods:
             d.chmod(0o777)  # the claims' fsGroup: writable by the pods' user
         self.containers: dict[int, object] = {}
         self.history: list[object] = []  # every container started, replaced ones included
-        self.pause = client.containers.run(
-            CPU_IMAGE, entrypoint=["sleep", "infinity"], name=f"{self.prefix}-pause", detach=True,
-            network_mode="none", extra_hosts={k8s.master_host(workload, docs): "127.0.0.1"},
-            labels={"ddpt-k8s": self.prefix})
+        self.pause = self.network = None
+        if network:
+            self.network = client.networks.create(f"{self.prefix}-net", driver="bridge", internal=True,
+                                                  labels={"ddpt-k8s": self.prefix})
+            self.joined = {"network": self.network.name}
+        else:
+            self.pause = client.containers.run(
+                CPU_IMAGE, entrypoint=["sleep", "infinity"], name=f"{self.prefix}-pause", detach=True,
+                network_mode="none", extra_hosts={k8s.master_host(workload, docs): "127.0.0.1"},
+                labels={"ddpt-k8s": self.prefix})
+            self.joined = {"network_mode": f"container:{self.pause.id}"}
 
     def start(self, pod: k8s.Pod):
         """A pod's container: the image's entrypoint (no command or args in the manifests), the pod's
@@ -92,7 +107,7 @@ class SimulatedPods:
         container = self.client.containers.run(
             CPU_IMAGE, name=f"{self.prefix}-{pod.name}-{len(self.history)}", detach=True,
             environment=pod.env, user=f"{security['runAsUser']}:{security['runAsGroup']}",
-            network_mode=f"container:{self.pause.id}", shm_size="1g",
+            **self.joined, **({"hostname": pod.name} if self.network else {}), shm_size="1g",
             volumes={str(self.checkpoints): {"bind": "/checkpoints", "mode": "rw"},
                      str(self.runs): {"bind": "/runs", "mode": "rw"}},
             labels={"ddpt-k8s": self.prefix})
@@ -103,6 +118,20 @@ class SimulatedPods:
     def start_all(self) -> None:
         for pod in self.pods:
             self.start(pod)
+
+    def start_lighthouse(self):
+        """The in-place job's lighthouse pod: its Deployment's container command as is, as the pod's user, on the pods'
+        network under the Service's name (one replica: the Service's address is this pod's)."""
+        lighthouse = k8s.lighthouse(self.docs)
+        security = lighthouse.pod_spec["securityContext"]
+        endpoint = self.client.api.create_endpoint_config(aliases=[lighthouse.service["metadata"]["name"]])
+        self.lighthouse = self.client.containers.run(
+            CPU_IMAGE, name=f"{self.prefix}-lighthouse", detach=True, entrypoint=lighthouse.container["command"],
+            command=lighthouse.container["args"], user=f"{security['runAsUser']}:{security['runAsGroup']}",
+            network=self.network.name, networking_config={self.network.name: endpoint},
+            labels={"ddpt-k8s": self.prefix})
+        self.history.append(self.lighthouse)
+        return self.lighthouse
 
     def state(self, index: int) -> dict:
         container = self.containers[index]
@@ -143,7 +172,13 @@ class SimulatedPods:
     def remove(self) -> None:
         for container in [*self.history, self.pause]:
             try:
-                container.remove(force=True)
+                if container is not None:
+                    container.remove(force=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.network is not None:
+            try:
+                self.network.remove()
             except Exception:  # noqa: BLE001 - already gone
                 pass
 
@@ -154,8 +189,8 @@ def simulate(docker_client, cpu_image):
     tmp = Path(tempfile.mkdtemp(prefix="ddpt-k8s-"))
     tmp.chmod(0o755)
 
-    def make(workload: str, training: dict[str, str] = TRAINING) -> SimulatedPods:
-        pods = SimulatedPods(docker_client, workload, cpu_variant(workload, training), tmp / f"{len(made)}")
+    def make(workload: str, training: dict[str, str] = TRAINING, network: bool = False) -> SimulatedPods:
+        pods = SimulatedPods(docker_client, workload, cpu_variant(workload, training), tmp / f"{len(made)}", network)
         made.append(pods)
         return pods
 
@@ -276,3 +311,64 @@ def test_elastic_pytorchjob_pods_go_on_at_the_smaller_size_when_a_pod_is_killed(
     assert summary["status"] == "stopped" and summary["world_size"] == 2
     assert summary["global_step"] < samples // (32 * 2 * CPU_NPROC)
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= committed, summary
+
+
+def test_in_place_job_pods_train_together_at_the_lighthouse_service_and_a_killed_pod_costs_the_other_no_restart(
+        simulate):
+    """k8s/indexed-job-inplace.yaml: the lighthouse's pod (its Deployment's command) and the Indexed Job's two worker
+    pods, started together as the cluster would, each pod an address of its own and the Service's name the lighthouse
+    pod's. The workers find the lighthouse at MASTER_ADDR (starting none of their own) and train together in place
+    (world size 4); worker 1 is SIGKILLed (a lost node) and not replaced: worker 0 goes on at world size 2 in place,
+    its training processes the same (no restart), until the pod is stopped (SIGTERM, as the kubelet stops a pod: exit
+    0; not trained to the end, for CI's time). Then the lighthouse's pod stops as the kubelet stops it: at once, exit 0."""
+    samples = 65536  # 512 steps of the global batch (32 x 4): far more than the test trains
+    pods = simulate(IN_PLACE_JOB, {**TRAINING, "TRAIN_SYNTHETIC_SIZE": str(samples), "TRAIN_EPOCHS": "1",
+                                   "TRAIN_COLLECTIVE_TIMEOUT": "30"}, network=True)
+    started = time.monotonic()
+    lighthouse = pods.start_lighthouse()
+    pods.start_all()
+    generation = r"in place: generation \d+, world size (\d+) of at most 4"
+    deadline = time.monotonic() + 420
+
+    def sizes(index: int) -> list[str]:
+        return re.findall(generation, pods.logs(index))
+    while "4" not in sizes(0) or "4" not in sizes(1):
+        assert time.monotonic() < deadline and all(pods.state(i)["Status"] == "running" for i in (0, 1)), \
+            pods.all_logs()
+        time.sleep(0.5)
+    together = time.monotonic() - started
+    service = k8s.lighthouse(pods.docs).service["metadata"]["name"]
+    for index in (0, 1):
+        log = pods.logs(index)
+        assert re.search(rf"^recovery: in place: .*torchft's lighthouse at http://{service}:29500 ", log, re.M), log
+        processes = " ".join(" ".join(p) for p in pods.containers[index].top()["Processes"])
+        assert "trainer.cluster.lighthouse" not in processes  # the launcher found the Service's and started none
+
+    def workers() -> list[str]:  # worker 0's training processes (started through the bootstrap)
+        return sorted(p[1] for p in pods.containers[0].top()["Processes"] if "bootstrap" in p[-1])
+    pids = workers()
+    assert len(pids) >= 2, pods.containers[0].top()
+    before = len(sizes(0))
+    killed = time.monotonic()  # before the call: docker kill returns once the container is gone, seconds later
+    pods.containers[1].kill()  # SIGKILL: what a node failure or an OOM kill does to the pod
+    while sizes(0)[before:].count("2") == 0:
+        assert time.monotonic() < deadline and pods.state(0)["Status"] == "running", pods.all_logs()
+        time.sleep(0.2)
+    went_on = time.monotonic() - killed
+    assert workers() == pids  # the lost pod cost worker 0 no process
+    pods.containers[0].stop(timeout=60)  # SIGTERM, as the kubelet stops a pod
+    while pods.state(0)["Status"] != "exited":
+        assert time.monotonic() < deadline, f"worker 0 did not stop\n{pods.all_logs()}"
+        time.sleep(0.5)
+    log = pods.logs(0)
+    assert pods.state(0)["ExitCode"] == 0, pods.all_logs()
+    assert "restart 1 of" not in log and "Traceback" not in log, log[-4000:]
+    assert sizes(0)[-1] == "2", sizes(0)
+    summary = json.loads((pods.runs / "summary.json").read_text())
+    assert summary["status"] == "stopped" and 0 < summary["global_step"] < samples // (32 * 2 * CPU_NPROC), summary
+    began = time.monotonic()
+    lighthouse.stop(timeout=k8s.lighthouse(pods.docs).pod_spec["terminationGracePeriodSeconds"])
+    lighthouse.reload()
+    assert lighthouse.attrs["State"]["ExitCode"] == 0 and time.monotonic() - began < 8, lighthouse.logs()
+    print(f"\n{IN_PLACE_JOB}: start -> world size 4 {together:.1f} s; kill -> world size 2 {went_on:.1f} s; "
+          f"whole test {time.monotonic() - started:.1f} s")
