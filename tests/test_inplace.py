@@ -1224,6 +1224,58 @@ def test_a_lighthouse_killed_and_started_again_is_rejoined_in_place_with_no_work
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
+@pytest.mark.slow
+def test_a_host_frozen_across_a_restart_of_the_lighthouse_is_fenced_when_thawed(hosts, tmp_path, launches):
+    """SIGSTOP a host's worker, then kill the lighthouse and start it again 3 s later: the other host rejoins it alone
+    (once the frozen one's heartbeats are missed) in a newer generation than any before, though the new lighthouse
+    numbers its quorums from 1 again. SIGCONT: the frozen host finds that newer generation, leaves with one line,
+    and its launcher starts it again; no step is committed twice, from two generations."""
+    port = free_port()
+    samples = SAMPLES * 2
+    lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+    try:
+        nodes = [host(tmp_path, port, f"host{name}", where, samples=samples) for name, where in zip("AB", hosts)]
+        launches.extend(nodes)
+        other, frozen_host = nodes
+        wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                               for node in nodes) and committed_lines(tmp_path) >= 20, RUN_BOUND_S,
+                   "both hosts training together")
+        survivor, frozen = worker_pid(other), worker_pid(frozen_host)
+        together = generations(other.output())[-1][0]
+        stopped = [frozen, *descendants(frozen)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            lighthouse.kill()
+            lighthouse.wait()
+            time.sleep(3)
+            lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+            wait_until(lambda: generations(other.output())[-1][1] == 1, RUN_BOUND_S,
+                       f"the other host alone\n{other.output()[-3000:]}")
+            alone = committed_lines(tmp_path)
+            wait_until(lambda: committed_lines(tmp_path) >= alone + 5, RUN_BOUND_S, "steps trained alone")
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        assert generations(other.output())[-1][0] > together, generations(other.output())
+        assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
+        assert frozen_host.wait(RUN_BOUND_S) == 0, frozen_host.output()[-4000:]
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    lines = [line for line in frozen_host.output().splitlines()
+             if line.startswith("error: in place: this host came back")]
+    assert len(lines) == 1, frozen_host.output()[-4000:]
+    output = other.output()
+    assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    numbers = [g for g, _ in generations(output)]
+    assert numbers == sorted(set(numbers)), generations(output)  # only growing
+    steps = samples // 2 // SHARE_BATCH
+    check_the_order(tmp_path, survivor, steps, samples=samples)  # each step trained once, in its exact order
+    assert newest_step(tmp_path / "checkpoints") == steps
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_lighthouse_on_its_own_stops_at_once_with_exit_0(sig):
     """docker stop (SIGTERM) and Ctrl-C (SIGINT) end the service's lighthouse at once, exit 0, as any service's stop:
