@@ -1276,6 +1276,49 @@ def test_a_host_frozen_across_a_restart_of_the_lighthouse_is_fenced_when_thawed(
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
+def lighthouse_beside(launch: Launch) -> list[int]:
+    """The lighthouse processes the launcher runs beside itself now."""
+    found = []
+    for pid in children(launch.pid):
+        try:
+            if b"trainer.cluster.lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes() and running(pid):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_the_lighthouse_beside_a_launcher_is_started_again_when_it_dies_and_the_hosts_rejoin_it(hosts, tmp_path,
+                                                                                               launches):
+    """The launcher on the MASTER_ADDR host runs the lighthouse beside itself: SIGKILLed, it is started again on the
+    same port, and both hosts rejoin it with the workers they had, and finish."""
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0])  # at MASTER_ADDR: the lighthouse runs beside it
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1])
+    launches.append(second)
+    nodes = [first, second]
+    wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                           for node in nodes) and committed_lines(tmp_path) >= 20, RUN_BOUND_S,
+               "both hosts training together")
+    pids = [worker_pid(node) for node in nodes]
+    (killed,) = lighthouse_beside(first)
+    os.kill(killed, signal.SIGKILL)
+    wait_until(lambda: [pid for pid in lighthouse_beside(first) if pid != killed], 30, "the lighthouse started again")
+    back = committed_lines(tmp_path)
+    wait_until(lambda: committed_lines(tmp_path) >= back + 20, RUN_BOUND_S,
+               f"the hosts training again\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    assert [workers(node) for node in nodes] == [[pid] for pid in pids]
+    for node in nodes:
+        assert node.wait(RUN_BOUND_S) == 0, node.output()[-4000:]
+        assert "restart 1 of" not in node.output() and "Traceback" not in node.output(), node.output()[-4000:]
+    assert "the lighthouse beside this launcher ended (signal SIGKILL): starting it again on port " \
+        f"{port}" in first.output(), first.output()[-4000:]
+    assert sorted(seen(tmp_path)) == sorted(pids)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_lighthouse_on_its_own_stops_at_once_with_exit_0(sig):
     """docker stop (SIGTERM) and Ctrl-C (SIGINT) end the service's lighthouse at once, exit 0, as any service's stop:
