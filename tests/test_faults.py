@@ -350,6 +350,21 @@ def test_an_in_place_writer_commits_only_in_the_jobs_generation_and_removes_no_o
     assert not live[1].exists() and live[0].exists()
 
 
+def test_each_new_quorum_takes_the_jobs_next_generation_above_every_one_on_disk_and_a_new_job_starts_over(tmp_path):
+    """In place, a generation is the job's number for a quorum (trainer.engine.inplace.JobGenerations), not torchft's
+    quorum id, which starts over when the lighthouse is started again: the counter only grows, stays above any
+    generation's folder or number a host wrote, and is cleared with them when a new job takes the directory."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    assert [checkpoint.next_generation(directory) for _ in range(3)] == [1, 2, 3]
+    assert checkpoint.open_generation(directory, 7) is None  # a folder above the counter (written by hand, say)
+    assert checkpoint.next_generation(directory) == 8
+    (directory / checkpoint.GENERATION_FILE).write_text("12\n")
+    assert checkpoint.next_generation(directory) == 13
+    checkpoint.claim(directory, job="http://10.0.0.1:29500").close()  # a new job, alone: what the last one left goes
+    assert checkpoint.next_generation(directory) == 1
+
+
 def test_the_run_that_takes_a_checkpoint_directory_alone_clears_what_in_place_jobs_left(tmp_path):
     """Generation folders, the generation's number and temp files belong to no live process when nothing else holds
     the directory (a new job's lighthouse numbers its generations afresh: a finished job's must not look newer). A

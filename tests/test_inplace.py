@@ -1179,6 +1179,190 @@ def test_a_lighthouse_lost_for_good_ends_each_host_with_exit_1_naming_it_not_as_
             for line in error_lines(output)), output[-4000:]
 
 
+def committed_lines(out: Path) -> int:
+    """The committed steps' lines the workers wrote so far (one per rank and step)."""
+    return sum(p.read_bytes().count(b"\n") for p in out.glob("seen-*.txt"))
+
+
+class Commits:
+    """When the committed steps' lines grew, sampled every 50 ms on a thread of the test's until stop()."""
+
+    def __init__(self, out: Path):
+        import threading
+
+        self.out, self.times, self.running = out, [], True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        count = committed_lines(self.out)
+        while self.running:
+            now = committed_lines(self.out)
+            if now > count:
+                self.times.append(time.monotonic())
+                count = now
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join()
+
+    def longest_gap(self, since: float) -> float:
+        """The longest time without a new committed line from `since` to the last one (a gap open at `since` included)."""
+        times = [since, *(t for t in self.times if t > since)]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.slow
+def test_a_lighthouse_killed_and_started_again_is_rejoined_in_place_with_no_worker_restarted(hosts, tmp_path,
+                                                                                            launches):
+    """The lighthouse on its own (compose's service) SIGKILLed while two hosts train, started again 3 s later: each
+    host keeps its processes, says once that it waits for the lighthouse, and rejoins it (torchft's quorum retries);
+    the longest gap between committed steps is seconds, the job's generations only grow, and every step trains in
+    its exact order. It was 305 s without a step (each host waited out its quorum's timeout), then every worker
+    restarted; or, restarted sooner, the generations went back (2 -> 1) and every host fenced itself (issue 43)."""
+    port = free_port()
+    samples = SAMPLES * 2
+    lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+    commits = None
+    try:
+        nodes = [host(tmp_path, port, f"host{name}", where, samples=samples) for name, where in zip("AB", hosts)]
+        launches.extend(nodes)
+        wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                               for node in nodes) and committed_lines(tmp_path) >= 40, RUN_BOUND_S,
+                   "both hosts training together")
+        pids = [worker_pid(node) for node in nodes]
+        commits = Commits(tmp_path)
+        lighthouse.kill()
+        lighthouse.wait()
+        killed = time.monotonic()
+        time.sleep(3)
+        lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+        back = committed_lines(tmp_path)
+        wait_until(lambda: committed_lines(tmp_path) >= back + 20, RUN_BOUND_S,
+                   f"the hosts training again\n{nodes[0].output()[-3000:]}\n{nodes[1].output()[-3000:]}")
+        assert [workers(node) for node in nodes] == [[pid] for pid in pids]  # the same processes, none restarted
+        commits.stop()
+        gap = commits.longest_gap(killed)
+        print(f"the longest gap between committed steps from the lighthouse's kill: {gap:.1f} s (3 s of it without "
+              "a lighthouse)")
+        # The goal is <= 5 s (issue 43); this bound leaves room for a loaded 2-core machine. Before: 305 s.
+        assert gap < 25, gap
+        for node in nodes:
+            assert node.wait(RUN_BOUND_S) == 0, node.output()[-4000:]
+    finally:
+        if commits is not None:
+            commits.stop()
+        lighthouse.kill()
+        lighthouse.wait()
+    for node in nodes:
+        output = node.output()
+        assert "restart 1 of" not in output and "Traceback" not in output and "error:" not in output, output[-4000:]
+        numbers = [g for g, _ in generations(output)]
+        assert numbers == sorted(set(numbers)), generations(output)  # only growing
+        assert output.count(f"waiting for the lighthouse at http://{MASTER_ADDR}:{port}") == 1, output[-4000:]
+    assert sorted(seen(tmp_path)) == sorted(pids)  # no other worker trained a step
+    steps = samples // 2 // SHARE_BATCH
+    check_the_order(tmp_path, pids[0], steps, samples=samples)
+    assert newest_step(tmp_path / "checkpoints") == steps
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_host_frozen_across_a_restart_of_the_lighthouse_is_fenced_when_thawed(hosts, tmp_path, launches):
+    """SIGSTOP a host's worker, then kill the lighthouse and start it again 3 s later: the other host rejoins it alone
+    (once the frozen one's heartbeats are missed) in a newer generation than any before, though the new lighthouse
+    numbers its quorums from 1 again. SIGCONT: the frozen host finds that newer generation, leaves with one line,
+    and its launcher starts it again; no step is committed twice, from two generations."""
+    port = free_port()
+    samples = SAMPLES * 2
+    lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+    try:
+        nodes = [host(tmp_path, port, f"host{name}", where, samples=samples) for name, where in zip("AB", hosts)]
+        launches.extend(nodes)
+        other, frozen_host = nodes
+        wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                               for node in nodes) and committed_lines(tmp_path) >= 20, RUN_BOUND_S,
+                   "both hosts training together")
+        survivor, frozen = worker_pid(other), worker_pid(frozen_host)
+        together = generations(other.output())[-1][0]
+        stopped = [frozen, *descendants(frozen)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            lighthouse.kill()
+            lighthouse.wait()
+            time.sleep(3)
+            lighthouse = standalone_lighthouse(hosts[0], port, tmp_path)
+            wait_until(lambda: generations(other.output())[-1][1] == 1, RUN_BOUND_S,
+                       f"the other host alone\n{other.output()[-3000:]}")
+            alone = committed_lines(tmp_path)
+            wait_until(lambda: committed_lines(tmp_path) >= alone + 5, RUN_BOUND_S, "steps trained alone")
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        assert generations(other.output())[-1][0] > together, generations(other.output())
+        assert other.wait(RUN_BOUND_S) == 0, other.output()[-4000:]
+        assert frozen_host.wait(RUN_BOUND_S) == 0, frozen_host.output()[-4000:]
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    lines = [line for line in frozen_host.output().splitlines()
+             if line.startswith("error: in place: this host came back")]
+    assert len(lines) == 1, frozen_host.output()[-4000:]
+    output = other.output()
+    assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    numbers = [g for g, _ in generations(output)]
+    assert numbers == sorted(set(numbers)), generations(output)  # only growing
+    steps = samples // 2 // SHARE_BATCH
+    check_the_order(tmp_path, survivor, steps, samples=samples)  # each step trained once, in its exact order
+    assert newest_step(tmp_path / "checkpoints") == steps
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+def lighthouse_beside(launch: Launch) -> list[int]:
+    """The lighthouse processes the launcher runs beside itself now."""
+    found = []
+    for pid in children(launch.pid):
+        try:
+            if b"trainer.cluster.lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes() and running(pid):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_the_lighthouse_beside_a_launcher_is_started_again_when_it_dies_and_the_hosts_rejoin_it(hosts, tmp_path,
+                                                                                               launches):
+    """The launcher on the MASTER_ADDR host runs the lighthouse beside itself: SIGKILLed, it is started again on the
+    same port, and both hosts rejoin it with the workers they had, and finish."""
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0])  # at MASTER_ADDR: the lighthouse runs beside it
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1])
+    launches.append(second)
+    nodes = [first, second]
+    wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                           for node in nodes) and committed_lines(tmp_path) >= 20, RUN_BOUND_S,
+               "both hosts training together")
+    pids = [worker_pid(node) for node in nodes]
+    (killed,) = lighthouse_beside(first)
+    os.kill(killed, signal.SIGKILL)
+    wait_until(lambda: [pid for pid in lighthouse_beside(first) if pid != killed], 30, "the lighthouse started again")
+    back = committed_lines(tmp_path)
+    wait_until(lambda: committed_lines(tmp_path) >= back + 20, RUN_BOUND_S,
+               f"the hosts training again\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    assert [workers(node) for node in nodes] == [[pid] for pid in pids]
+    for node in nodes:
+        assert node.wait(RUN_BOUND_S) == 0, node.output()[-4000:]
+        assert "restart 1 of" not in node.output() and "Traceback" not in node.output(), node.output()[-4000:]
+    assert "the lighthouse beside this launcher ended (signal SIGKILL): starting it again on port " \
+        f"{port}" in first.output(), first.output()[-4000:]
+    assert sorted(seen(tmp_path)) == sorted(pids)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_lighthouse_on_its_own_stops_at_once_with_exit_0(sig):
     """docker stop (SIGTERM) and Ctrl-C (SIGINT) end the service's lighthouse at once, exit 0, as any service's stop:

@@ -24,9 +24,12 @@ from trainer.core.errors import UsageError
 from trainer.core.files import TEMP_PREFIX, fsync_file, temp_path, write_json_atomic
 
 LOCK_NAME = ".lock"
-# In-place recovery's generations (trainer.checkpoint.store, open_generation): torchft's quorum ids, one per membership.
+# In-place recovery's generations (trainer.checkpoint.store, open_generation): one per quorum, numbered by the job.
 GENERATION_FILE = ".generation"  # the newest generation that trained (its number)
 GENERATION_PREFIX = ".generation-"  # + the number: a generation's folder for temp files (no step-* name: never resumed)
+# The job's count of generations (trainer.checkpoint.store, next_generation): each new quorum takes the next number,
+# whichever lighthouse formed it (torchft's quorum ids start over when its lighthouse is started again).
+GENERATION_COUNTER = ".generations"
 RETIRED_PREFIX = ".retired-generation-"
 
 
@@ -89,7 +92,7 @@ def clear_leftovers(directory: Path) -> None:
     (check_ended); the next job's first generation removes it."""
     remove_stale_temps(directory)
     for path in [*directory.glob(f"{GENERATION_PREFIX}*"), *directory.glob(f"{RETIRED_PREFIX}*"),
-                 directory / GENERATION_FILE, directory / JOB_SETTINGS]:
+                 directory / GENERATION_FILE, directory / GENERATION_COUNTER, directory / JOB_SETTINGS]:
         remove(path)
 
 

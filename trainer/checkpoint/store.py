@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.checkpoint.claim import (  # noqa: F401 (claim: the store's callers take it from here too)
+    GENERATION_COUNTER,
     GENERATION_FILE,
     GENERATION_PREFIX,
     RETIRED_PREFIX,
@@ -125,7 +126,8 @@ def set_aside_after(directory: Path, step: int) -> tuple[Path, list[str]] | None
     return folder, [path.name for path in later]
 
 
-# In-place recovery (trainer.engine.inplace): a generation is torchft's quorum id, one per membership. Its first host
+# In-place recovery (trainer.engine.inplace): a generation is a number the job gives each new quorum of torchft's
+# (next_generation: they only grow, across restarts of the lighthouse, whose quorum ids start over). Its first host
 # writes the number to GENERATION_FILE and makes the generation's folder, where the checkpoints of its state are
 # written before the rename that commits them; the next generation's first host retires the folder (one rename), so a
 # writer of an older generation cannot commit, however long it was frozen: its rename finds no file.
@@ -150,6 +152,28 @@ def generations_on_disk(directory: Path) -> list[int]:
             if path.name.startswith(GENERATION_PREFIX) and number.isdigit():
                 found.append(int(number))
     return found
+
+
+def next_generation(directory: Path) -> int:
+    """The job's next generation number, taken once (a lock on the counter file, GENERATION_COUNTER): above every
+    number taken before in this directory, and above every generation on disk. OSError: the directory cannot be
+    written."""
+    import fcntl
+
+    with open(directory / GENERATION_COUNTER, "a+") as counter:
+        fcntl.flock(counter, fcntl.LOCK_EX)  # released when the file closes
+        counter.seek(0)
+        text = counter.read().strip()
+        taken = [int(text)] if text.isdigit() else []
+        with contextlib.suppress(OSError, ValueError):
+            taken.append(int((directory / GENERATION_FILE).read_text().strip()))
+        number = max([*taken, *generations_on_disk(directory)], default=0) + 1
+        counter.seek(0)
+        counter.truncate()
+        counter.write(f"{number}\n")
+        counter.flush()
+        os.fsync(counter.fileno())
+    return number
 
 
 def open_generation(directory: Path, generation: int) -> int | None:

@@ -186,6 +186,8 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
                          f"RDZV_TIMEOUT, {bound} s)", f"start trainer-launch on the MASTER_ADDR host first (it runs "
                          f"the lighthouse), or check {', '.join(given)} and the firewall between the hosts; "
                          "RECOVERY=restart takes the restart path instead")
+    if started is not None:  # this launcher runs the lighthouse: it starts it again whenever it ends
+        lighthouse.keep(started, port, job.min_nodes, timeout, lambda line: print(line, file=sys.stderr, flush=True))
     os.environ.update({LIGHTHOUSE_ENV: lighthouse.url(host, port), INPLACE_WORLD_ENV: str(job.world_size),
                        REPLICA_ENV: recovery.replica, REPLICA_ADDR_ENV: recovery.local.master_addr,
                        INPLACE_JOB_ENV: identity})

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -162,6 +163,41 @@ def start(port: int, min_hosts: int, join_timeout_s: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port), "--min-hosts",
                              str(min_hosts), "--join-timeout", f"{join_timeout_s:g}", "--exit-if-taken"],
                             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def keep(started: subprocess.Popen, port: int, min_hosts: int, join_timeout_s: float,
+         say: Callable[[str], None]) -> threading.Thread:
+    """The lighthouse beside this launcher started again, on the same port, whenever it ends while the launcher runs
+    (killed, crashed): the hosts' workers wait for it in their quorum, keeping their processes, and rejoin it (a
+    thread of the launcher's; the new lighthouse dies with the launcher's process, as the first did). A lighthouse
+    that finds its port taken (another launcher's on this host started one first) is left to that one, watched
+    from here: started again if nothing answers there any more."""
+
+    def watch() -> None:
+        proc = started
+        while True:
+            code = proc.wait()
+            if code == TAKEN_EXIT:
+                while _answered("127.0.0.1", port):
+                    time.sleep(1.0)
+            else:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                    else f"exit {code}"
+                say(f"the lighthouse beside this launcher ended ({how}): starting it again on port {port} (the hosts "
+                    "rejoin it in place)")
+                time.sleep(0.5)  # not a busy loop if it cannot start at all
+            proc = start(port, min_hosts, join_timeout_s)
+
+    thread = threading.Thread(target=watch, name="lighthouse", daemon=True)
+    thread.start()
+    return thread
+
+
+def _answered(host: str, port: int) -> bool:
+    try:
+        return answers(host, port) is None
+    except NotTheLighthouse:
+        return True  # not ours to replace
 
 
 def serve(port: int, min_hosts: int, join_timeout_s: float, exit_if_taken: bool = False) -> int:

@@ -22,8 +22,9 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
 
 Fencing: a host that comes back after the others went on without it (SIGSTOP, a long pause, a cut network, or
 heartbeats the lighthouse received too late on an overloaded machine) must not write a checkpoint or join the newer
-group. The generation is torchft's quorum id: the first rank of each new generation writes it to the checkpoint
-directory (GENERATION_FILE) and makes the generation's folder there, retiring the older generations' folders
+group. The generation is the job's number for each new quorum of torchft's (JobGenerations: counted in the
+checkpoint directory, it only grows, across restarts of the lighthouse too, whose quorum ids start over): the first
+rank of each new generation writes it to the checkpoint directory (GENERATION_FILE) and makes the generation's folder there, retiring the older generations' folders
 (trainer.checkpoint.store.open_generation). A host reads the newest generation before each step's quorum; its
 checkpoints are written in its generation's folder and committed by a rename out of it, which finds nothing once that
 generation is retired: a host frozen anywhere in a write, even between a check and the rename, cannot commit. A host
@@ -57,6 +58,7 @@ from trainer.checkpoint.store import (
     CheckpointError,
     generation_folder,
     generations_on_disk,
+    next_generation,
     open_generation,
 )
 from trainer.config.settings import (INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV, REPLICA_ADDR_ENV,
@@ -69,6 +71,13 @@ from trainer.parallel.context import DistContext, collective_failure
 
 log = logging.getLogger("trainer")
 MAX_ABANDONED = 100  # steps abandoned in a row before the run ends: one that never commits is not training
+# The lighthouse gone (killed, restarted, its host rebooting): torchft's ManagerServer asks it again about this often
+# (its quorum_retries, spread over the quorum's timeout), reconnecting each time, until the quorum's timeout.
+LIGHTHOUSE_RETRY_S = 0.5
+SILENT_S = 1.0  # a quorum this long in coming: if the lighthouse does not answer, the host says that it waits for it
+# A lighthouse started again forms its first quorum with the hosts that asked first: the other hosts of the last
+# quorum (their heartbeats not yet back) are waited for this long before a host goes on without them.
+REJOIN_S = 10.0
 # torchft's Rust client raises tonic's status as its text, e.g. (torchft 0.2.0, a quorum the lighthouse never
 # answered): status: Cancelled, message: "Timeout expired", details: [], metadata: MetadataMap { headers: {} }
 GRPC_STATUS = re.compile(r'status: (?P<code>\w+), message: "(?P<message>(?:[^"\\]|\\.)*)", details: \[[^\]]*\], '
@@ -135,6 +144,9 @@ class InPlace:
                 store_addr=ctx.topology.master_addr, store_port=ctx.topology.master_port,
                 lighthouse_addr=self.lighthouse, replica_id=env.get(REPLICA_ENV, "").strip() or None,
                 hostname=address, checkpoint_transport=self.transport,
+                # A lighthouse that goes away and comes back within the quorum's timeout is asked again (torchft's
+                # Rust side retries: without, the quorum waited out its whole timeout, then the workers restarted).
+                quorum_retries=max(1, round(collective_timeout_s / LIGHTHOUSE_RETRY_S)),
                 max_retries=MAX_ABANDONED)  # then a RuntimeError: a step that never commits is not training
         except Exception as err:  # noqa: BLE001 (torchft's Rust client says why in its own words)
             # Not a mistake in the settings (trainer-launch found the lighthouse before it started the workers): it
@@ -143,6 +155,12 @@ class InPlace:
                                "beside trainer-launch on the MASTER_ADDR host, or as compose.multinode.yaml's "
                                "lighthouse service: start it again; the job resumes from the newest checkpoint)"
                                ) from None
+        # Each quorum's id, as torchft's Manager uses it (the group's generation, its store prefix), is the job's
+        # generation for it (JobGenerations): only growing, across restarts of the lighthouse too.
+        self.generations = JobGenerations(self.manager._client, self.directory, timeout, self._stale)
+        self.manager._client = self.generations
+        self._asking: float | None = None  # when this host's quorum call began (None: not in one)
+        self._waiting_said: float | None = None  # when it said that it waits for the lighthouse
 
     def agree(self, mine: dict[str, Any], job_settings: Callable[[dict], dict], label: Callable[[str], str]) -> None:
         """Before this host's first quorum: its fingerprint (fingerprint()) against the job's, which the job's first
@@ -189,6 +207,13 @@ class InPlace:
         self.healed = False
         self.group.configured_s = self.transport.moved_s = 0.0
         began = time.perf_counter()
+        watch = None
+        if self.ctx.is_local_main:
+            import threading
+
+            watch = threading.Timer(SILENT_S, self._say_waiting)
+            watch.daemon = True
+            watch.start()
         try:
             self.manager.start_quorum()
         except Fenced:
@@ -199,6 +224,13 @@ class InPlace:
                                "the MASTER_ADDR host: that host went away, or fewer hosts than NNODES's MIN were "
                                "left for --collective-timeout; start them again: the job resumes from the newest "
                                "checkpoint)") from None
+        finally:
+            if watch is not None:
+                watch.cancel()
+        if self._waiting_said is not None:
+            log.info("in place: the lighthouse at %s answers again: this host rejoined it after %.1f s, its processes "
+                     "as they were", self.lighthouse, time.perf_counter() - self._waiting_said)
+            self._waiting_said = None
         replicas, replica = self.manager.num_participants(), self.manager.participating_rank()
         # The quorum's generation, whether or not its group formed: one whose rendezvous failed (a host of it lost
         # meanwhile) is not the one before it, and its step is abandoned.
@@ -223,6 +255,28 @@ class InPlace:
             self.set_step(step)
             self.reloaded = True
         return changed
+
+    def _say_waiting(self) -> None:
+        """The quorum is slow in coming (a timer's thread): if the lighthouse does not answer, say so, once."""
+        from urllib.parse import urlsplit
+
+        import socket
+
+        where = urlsplit(self.lighthouse)
+        try:
+            socket.create_connection((where.hostname, where.port or 80), timeout=1).close()
+        except OSError as err:
+            self._waiting_said = time.perf_counter()
+            log.warning("in place: waiting for the lighthouse at %s (%s): this host keeps its processes and rejoins it "
+                        "when it answers again (up to --collective-timeout)", self.lighthouse,
+                        err.strerror or type(err).__name__)
+
+    def _stale(self, generation: int) -> None:
+        """A quorum's answer (torchft's quorum thread, before the group forms): Fenced if a generation newer than
+        the quorum's trained without this host, which trained before (it was frozen, paused or cut off)."""
+        newest = self.newest_generation()
+        if self.trained and newest is not None and newest > generation:
+            raise self._fenced(self.quorum[0] if self.quorum is not None else generation, newest, "at a step's start")
 
     def _say_quorum(self, quorum: tuple[int, int, int], world: int, waited: float, formed: bool) -> None:
         """The line of a new membership. The quorum's time: agreeing on the members (the lighthouse waits for a
@@ -443,6 +497,84 @@ def _built_differences(name: str, mine: Any, theirs: Any) -> list[tuple[str, Any
 
 def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
+
+
+class JobGenerations:
+    """torchft's ManagerClient, each quorum's id in its answers renumbered as the job's generation for that quorum.
+    torchft's lighthouse numbers its quorums from 1 each time it starts, and its Manager takes an id it had before
+    for the group it has (it would keep a group with a lost host in it) and prefixes the new group's keys in the
+    store with it (keys of an older group of that number are there). The fencing compares generations: a host frozen
+    across a restart of the lighthouse must find the job's newer than its own. So each new quorum (a quorum id or
+    members this process did not have last) takes the job's next number from the checkpoint directory
+    (store.next_generation), once for all its members: the first to ask takes it and leaves it in the store of the
+    quorum's group, under a key naming the quorum (its id, members and step), where the others read it.
+
+    A lighthouse started again answers the first host that asks with a quorum of that host alone (the others'
+    heartbeats are not back yet): the host asks again, for up to REJOIN_S, while hosts of its last quorum are
+    missing, so that the hosts rejoin it together, no one behind the other (healed, or fenced)."""
+
+    def __init__(self, client, directory: Path, timeout: timedelta, stale: Callable[[int], None]):
+        self._client, self.directory, self.timeout, self.stale = client, directory, timeout, stale
+        self.last: tuple[int, tuple[str, ...]] | None = None  # the last quorum's (id, members), as torchft said them
+        self.generation: int | None = None  # the job's generation of that quorum
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def _quorum(self, **asked):
+        quorum = self._client._quorum(**asked)
+        deadline = time.monotonic() + REJOIN_S
+        while self._restarted(quorum) and time.monotonic() < deadline:
+            time.sleep(LIGHTHOUSE_RETRY_S)
+            quorum = self._client._quorum(**asked)
+        key = (quorum.quorum_id, tuple(quorum.replica_ids))
+        if key != self.last:
+            generation = self._agree(quorum)
+            self.last, self.generation = key, generation
+        self.stale(self.generation)
+        return _Renumbered(quorum, self.generation)
+
+    def _restarted(self, quorum) -> bool:
+        """A quorum of a lighthouse started since the last one (its ids went back, or the same id has other
+        members), without some hosts of the last quorum."""
+        if self.last is None:
+            return False
+        number, members = self.last
+        if quorum.quorum_id > number or (quorum.quorum_id == number and tuple(quorum.replica_ids) == members):
+            return False
+        return not set(members) <= set(quorum.replica_ids)
+
+    def _agree(self, quorum) -> int:
+        import hashlib
+
+        from torchft.process_group import create_store_client
+
+        members = hashlib.sha256("\n".join(quorum.replica_ids).encode()).hexdigest()[:16]
+        store = create_store_client(f"{quorum.store_address}/trainer/generations", self.timeout)
+        key = f"{quorum.quorum_id}-{quorum.max_step}-{members}"
+        if store.add(f"{key}/asked", 1) == 1:
+            try:
+                number = next_generation(self.directory)
+            except OSError as err:
+                store.set(key, "0")  # the others fail as this host does, at once
+                raise CheckpointError(f"in place: cannot write {self.directory} ({err.strerror}): each quorum's "
+                                      "generation is counted there") from None
+            store.set(key, str(number))
+        number = int(store.get(key))
+        if number <= 0:
+            raise CheckpointError(f"in place: the host that counts this quorum's generation in {self.directory} "
+                                  "could not write it")
+        return number
+
+
+class _Renumbered:
+    """A quorum's answer from torchft's client, its id replaced by the job's generation."""
+
+    def __init__(self, quorum, quorum_id: int):
+        self._quorum, self.quorum_id = quorum, quorum_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._quorum, name)
 
 
 def _replica_group(timeout: timedelta):
