@@ -261,10 +261,13 @@ def test_the_failure_that_came_first_is_the_one_reported():
         return record
 
     killed = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, -signal.SIGKILL, 100)}
-    assert describe_child_failure(killed) == (
-        "training failed: rank 1 was killed by SIGKILL (and 1 more); the signal came from outside the trainer", 1)
+    assert describe_child_failure(killed) == (  # rank 0: the agent's SIGTERM after rank 1 died, not one more failure
+        "training failed: rank 1 was killed by SIGKILL; the signal came from outside the trainer", 1)
     crashed = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, 1, 100), 2: failure(2, 1, 101)}
-    assert describe_child_failure(crashed)[0].startswith("training failed: rank 1 exited with code 1 (and 2 more)")
+    assert describe_child_failure(crashed)[0].startswith("training failed: rank 1 exited with code 1 (and 1 more)")
+    returned = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, 1, 100)}  # rank 0's program had returned
+    assert describe_child_failure(returned, ended=frozenset({0}))[0] == (
+        "training failed: rank 1 exited with code 1; its own error is printed above")
     # Both exited with an error in one second; torchrun saw rank 1 first (rank 0 died of the stop it sent).
     seen_first = {1: failure(1, 1, 100), 0: failure(0, 1, 100)}
     assert describe_child_failure(seen_first)[0].startswith("training failed: rank 1 exited with code 1 (and 1 more)")

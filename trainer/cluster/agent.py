@@ -77,7 +77,10 @@ def describe_child_failure(failures: dict, gone: str | None = None, ended: froze
         return (f"training failed: {who} aborted at exit, after its last step (its program had returned; a "
                 "process group still held by a model at the interpreter's exit aborts it: docs/scripts.md#the-end-"
                 "of-a-script says how to end cleanly)", 1)
-    others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+    # The others that failed of their own: not a rank the agent stopped with SIGTERM once this one failed, nor one
+    # whose program had returned (a script's rank 0 that ended first is not a failure, however late it exited).
+    own = [r for r, f in failures.items() if r != rank and f.exitcode != -signal.SIGTERM and r not in ended]
+    others = f" (and {len(own)} more)" if own else ""
     where = "its own error is printed above" if code > 0 else "the signal came from outside the trainer"
     what = f"{gone}; {who} {how(code)}{others} when it lost its peers" if gone else \
         f"{who} {how(code)}{others}; {where}"
