@@ -23,7 +23,7 @@ from trainer.parallel.supervised import peer_failed_first, stuck_peers
 
 log = logging.getLogger("trainer")
 # One line and exit 1: the run's own failures.
-RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed, Fenced, inplace.QuorumFailed)
+RUN_ERRORS = (CheckpointError, Diverged, MainRankFailed, Fenced)  # (inplace.QuorumFailed: end_for_lost_lighthouse)
 
 
 def join(topology: Topology, config: TrainConfig, timeout_setting: str) -> DistContext:
@@ -94,10 +94,8 @@ def exit_for(exc_type, exc, timeout_setting: str, timeout_s: float) -> None:
             f"ranks' logs; {timeout_setting}, now {timeout_s:g} s, sets the wait)")
     if peer_failed_first():  # the cause is that rank's: the launcher's one error line names it
         sys.stderr.write(f"warning: {line}; a rank of this host failed first\n")
-    elif (restart := next_restart()) is not None:  # not the run's end: the launcher restarts the workers
-        sys.stderr.write(f"warning: {line}; a peer was lost: the launcher restarts the workers ({restart})\n")
     else:
-        print_error(line)
+        say_failure(line, "a peer was lost: ")
     raise SystemExit(1) from None
 
 
@@ -105,11 +103,17 @@ def end_for_lost_lighthouse(lost: Exception, say: bool = True) -> None:
     """In place, no quorum or no lighthouse: exit 1, restartable (never 2, a mistake in the settings); a warning while
     the launcher has a restart left (not the run's end), else the run's one error line. say: this process says it."""
     if say:
-        if (restart := next_restart()) is not None:
-            sys.stderr.write(f"warning: {lost}; the launcher restarts the workers ({restart})\n")
-        else:
-            print_error(str(lost))
+        say_failure(str(lost))
     raise SystemExit(1) from None
+
+
+def say_failure(line: str, cause: str = "") -> None:
+    """A failure that ends this worker: a warning while the launcher has a restart left for it (not the run's end:
+    "LINE; CAUSE the launcher restarts the workers (restart N of M)"), else the run's one error line."""
+    if (restart := next_restart()) is not None:
+        sys.stderr.write(f"warning: {line}; {cause}the launcher restarts the workers ({restart})\n")
+    else:
+        print_error(line)
 
 
 def next_restart() -> str | None:
