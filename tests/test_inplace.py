@@ -870,6 +870,11 @@ def test_on_cuda_the_replica_group_is_torchfts_nccl_group_in_a_child_process_and
     nccl, gloo = replica_group(torch.device("cuda", 0), timeout), replica_group(torch.device("cpu"), timeout)
     assert isinstance(nccl, ProcessGroupBabyNCCL) and nccl.getBackendName() == "torchft-baby-nccl"
     assert isinstance(gloo, ProcessGroupGloo) and gloo.getBackendName() == "torchft-gloo"
+    from trainer.engine.inplace import _replica_group  # what InPlace makes from its DistContext's device
+
+    assert isinstance(_replica_group(timeout, torch.device("cuda", 0)), ProcessGroupBabyNCCL)
+    assert isinstance(_replica_group(timeout, torch.device("cpu")), ProcessGroupGloo)
+    assert not isinstance(_replica_group(timeout), ProcessGroupBabyNCCL)
     assert tensors_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert tensors_device(torch.device("cpu")) == tensors_device(torch.device("mps")) == torch.device("cpu")
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
