@@ -7,7 +7,8 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
 
   begin_step()  the quorum (torchft asks the lighthouse): who trains this step. A new membership gets a new process
                 group across the hosts (a new generation of torchft's reconfigurable gloo group on the first host's
-                store). A host behind (returned, or new) gets the state from a live peer over that group before the
+                store; on GPUs its NCCL group, in a child process of each worker, not run on a GPU yet:
+                trainer.engine.replica_group). A host behind (returned, or new) gets the state from a live peer over that group before the
                 step: the checkpoint dict of trainer.checkpoint, its structure sent with torch.save and read with
                 weights_only=True, its tensors as they are in memory (_StateOverGroup). Hosts all behind the job's
                 newest committed checkpoint (those that trained further left while they started) go on from it.
