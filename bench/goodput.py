@@ -49,6 +49,8 @@ RESUMED = re.compile(r"resuming from .*step-(\d+)\.pt \(step (\d+)")
 STEP = re.compile(r"epoch \d+ step (\d+)/")
 WORLD = re.compile(r"training .* world size (\d+)")
 ABANDONED = re.compile(r"in place: step (\d+) abandoned after ([\d.]+) s")
+REPLICA_GROUP = re.compile(r"in place: the replica group across the hosts is (\S+)")
+END_GRACE_S = 60.0  # the hosts still running when the first ends: this long to end on their own
 GENERATION = re.compile(r"in place: generation (\d+), world size (\d+) .* the quorum took ([\d.]+) s \(agreement "
                         r"([\d.]+) s, new group ([\d.]+) s, state ([\d.]+) s")
 
@@ -97,7 +99,10 @@ def host_command(mode: str, args, work: Path) -> list[str]:
 def host_env(mode: str, args, node: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "NNODES", "NODE_RANK", "MASTER_"))}
     env.update(PREFLIGHT="0", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port),
-               OMP_NUM_THREADS=str(args.threads), TRAIN_GLOBAL_BATCH_SIZE=str(args.batch_size * 2))
+               OMP_NUM_THREADS=str(args.threads), TRAIN_GLOBAL_BATCH_SIZE=str(args.batch_size * 2),
+               # Two hosts on one machine share its GPU 0: NCCL refuses two ranks of one GPU on one host, and
+               # NCCL_HOSTID makes them two hosts to it (over its sockets), as torchft's own train_ddp.py does.
+               NCCL_HOSTID=f"bench-goodput-host-{node}")
     if mode in ("elastic", "inplace"):
         env["NNODES"] = "1:2"
         env["RECOVERY"] = "restart" if mode == "elastic" else "in-place"
@@ -128,7 +133,8 @@ def one_run(mode: str, args, faults: bool) -> dict:
             continue
         if trained_since is None and steps:
             trained_since = time.monotonic()
-        if second.proc.poll() is None and trained_since and time.monotonic() - trained_since >= args.fault_every:
+        if second.proc.poll() is None and trained_since and time.monotonic() - trained_since >= args.fault_every \
+                and (not args.faults or len(kills) < args.faults):
             second.kill()
             kills.append(time.monotonic())
         elif second.proc.poll() is not None and kills and time.monotonic() - kills[-1] >= args.down_for \
@@ -139,6 +145,14 @@ def one_run(mode: str, args, faults: bool) -> dict:
             trained_since = None
     ended = time.monotonic()
     hung = first.proc.poll() is None
+    for host in hosts:  # the others end with the first (an in-place job's hosts confirm its end together)
+        if not hung and host.killed_at == float("inf"):
+            try:
+                host.proc.wait(timeout=max(1.0, END_GRACE_S - (time.monotonic() - ended)))
+            except subprocess.TimeoutExpired:
+                pass
+    # Each host that was not lost on purpose: its exit code (None: still running, killed now).
+    codes = [host.proc.poll() for host in hosts if host.killed_at == float("inf")]
     for host in hosts:
         host.kill() if host.proc.poll() is None else None
     summary = {}
@@ -154,7 +168,11 @@ def one_run(mode: str, args, faults: bool) -> dict:
     others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - began_all)
     result = {"mode": mode, "faults": faults, "wall_s": ended - began, "hung": hung, "code": first.proc.returncode,
               "global_step": summary.get("global_step"), "status": summary.get("status"),
-              "kills": len(kills), "per_fault": split, "other_cores_busy": round(max(0.0, others), 2)}
+              "kills": len(kills), "returns": len(returns), "per_fault": split, "codes": codes,
+              "other_cores_busy": round(max(0.0, others), 2)}
+    group = next((m.group(1) for _, line in first.lines if (m := REPLICA_GROUP.search(line))), None)
+    if group is not None:
+        result["replica_group"] = group
     if hung or summary.get("global_step") != args.steps:
         result["tail"] = [line for _, line in first.lines[-15:]]
     if args.keep:  # each host's lines with the bench's clock, beside the run's checkpoints and logs
@@ -255,6 +273,24 @@ def return_pause(lines: list[tuple[float, str]], back: float, horizon: float = 9
     return round(max(b - a for a, b in zip(window, window[1:])), 2) if len(window) > 1 else None
 
 
+def one_loss_and_return(args) -> int:
+    """--one: an in-place run of two hosts, the second lost once (SIGKILL) and started again; what it cost into
+    args.one: the lost progress at the loss, the running host's pause at the return, whether both hosts ended with
+    exit 0, and the replica group the hosts named (torchft-baby-nccl on GPUs, torchft-gloo on CPUs)."""
+    args.faults, args.timeout = 1, args.timeout or 600.0
+    run = one_run("inplace", args, faults=True)
+    event = run["per_fault"][0] if run["per_fault"] else {}
+    facts = {"replica_group": run.get("replica_group"), "steps": args.steps, "global_step": run["global_step"],
+             "lost_and_returned": run["kills"] == run["returns"] == 1,
+             "lost_progress_s": event.get("lost_progress_s"), "return_pause_s": event.get("return_pause_s"),
+             "returned_joined_after_s": event.get("host_back_after_s"), "both_exit_0": run["codes"] == [0, 0],
+             "exit_codes": run["codes"], "hung": run["hung"], "wall_s": round(run["wall_s"], 1), "run": run}
+    args.one.parent.mkdir(parents=True, exist_ok=True)
+    args.one.write_text(json.dumps(facts, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in facts.items() if k != "run"}), flush=True)
+    return 0 if facts["both_exit_0"] and facts["lost_and_returned"] else 1
+
+
 def median(values: list) -> float | None:
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
@@ -277,8 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="seconds before a run is called hung (0: three times the fault-free run, at least 300)")
     parser.add_argument("--keep", action="store_true", help="keep each run's directory and its hosts' lines")
+    parser.add_argument("--faults", type=int, default=0, help="at most this many losses in a run (0: no limit)")
+    parser.add_argument("--one", type=Path, metavar="RESULT.json",
+                        help="one in-place run, one loss and one return, no fault-free runs: its facts into "
+                        "RESULT.json (bench.quick's inplace-nccl part)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.one is not None:
+        return one_loss_and_return(args)
     args.out.mkdir(parents=True, exist_ok=True)
     # The fault-free runs: the restart path's (every mode's goodput is against it), and in place's own (its step
     # carries the quorum and the sum over the hosts).

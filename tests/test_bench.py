@@ -168,8 +168,8 @@ def test_gpu_quick_plans_every_owed_measurement_within_seven_minutes():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     parts = re.findall(r"^(\S+) \((?:at most (\d+) s|on leftover time only)\):$", out.stdout, re.M)
-    assert [name for name, _ in parts] == ["jpeg-set", "input-compiled", "input-alone", "fsdp-vs-ddp", "user-model",
-                                           "handwritten", "jpeg-gpu-hybrid"], out.stdout
+    assert [name for name, _ in parts] == ["jpeg-set", "input-compiled", "inplace-nccl", "input-alone", "fsdp-vs-ddp",
+                                           "user-model", "handwritten", "jpeg-gpu-hybrid"], out.stdout
     assert sum(int(s or 0) for _, s in parts) <= 420
     compiled = "--amp bf16 --channels-last --compile"
     runs = dict(re.findall(r"^  (\S+): (.*)$", out.stdout, re.M))
@@ -177,8 +177,26 @@ def test_gpu_quick_plans_every_owed_measurement_within_seven_minutes():
     assert "--decode gpu" in runs["jpeg-gpu"] and "--decode cpu" in runs["jpeg-cpu"]
     assert "--strategy fsdp" in runs["fsdp"] and "--profile-steps" in runs["fsdp"] and "--profile-steps" in runs["ddp"]
     assert "bench.usermodel:build" in runs["user-compiled"] and "bench.handwritten" in runs["handwritten"]
+    assert "bench.goodput --one " in runs["two-replicas"]  # in place over NCCL: two hosts on GPU 0, a loss, a return
     assert "results: bench/results/quick-" in out.stdout
 
+
+@pytest.mark.slow
+def test_the_quick_checks_in_place_part_measures_a_loss_and_a_return_and_both_hosts_exits(tmp_path):
+    """bench.quick's inplace-nccl part (`python -m bench.goodput --one`), which the rehearsal skips (it needs CUDA),
+    run here over gloo: two trainer-launch hosts of one process each, RECOVERY=in-place, the second SIGKILLed after a
+    few seconds of training and started again at once. Its JSON names the replica group the hosts used, the lost
+    progress at the loss, and both hosts' exit codes (0: the job ended on its own, the returning host with it)."""
+    result = tmp_path / "inplace.json"
+    done = subprocess.run([sys.executable, "-m", "bench.goodput", "--one", str(result), "--model", "cnn",
+                           "--image-size", "32", "--batch-size", "8", "--steps", "300", "--fault-every", "3",
+                           "--down-for", "0", "--checkpoint-every", "50", "--timeout", "400"], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    facts = json.loads(result.read_text())
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert facts["replica_group"] == "torchft-gloo" and facts["lost_and_returned"], facts
+    assert facts["both_exit_0"] and facts["exit_codes"] == [0, 0] and facts["global_step"] == 300, facts
+    assert facts["lost_progress_s"] > 0, facts
 
 @pytest.mark.slow
 def test_gpu_quick_rehearsed_on_the_cpu_writes_every_part_and_keeps_what_a_cut_window_finished(tmp_path):
@@ -200,6 +218,7 @@ def test_gpu_quick_rehearsed_on_the_cpu_writes_every_part_and_keeps_what_a_cut_w
         record = parts[part]["runs"][run]
         assert record["status"] == "ok" and record["samples_per_second"] > 0, (part, run, record)
     assert parts["input-compiled"]["runs"]["jpeg-gpu"]["status"] == "skipped: no CUDA here"
+    assert parts["inplace-nccl"]["runs"]["two-replicas"]["status"] == "skipped: no CUDA here"
     assert parts["input-alone"]["runs"]["cpu"]["images_per_core_second"] > 0
     ratio = parts["input-compiled"]["ratios"]["jpeg-cpu/synthetic"]
     runs = parts["input-compiled"]["runs"]

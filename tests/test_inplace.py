@@ -853,6 +853,128 @@ def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():
         assert receiver.moved_bytes == sender.moved_bytes > 64 * 33 * 4 * 2
 
 
+
+def test_on_cuda_the_replica_group_is_torchfts_nccl_group_in_a_child_process_and_on_cpus_its_gloo_group():
+    """trainer.engine.replica_group: workers on CUDA sum over torchft's baby NCCL group (NCCL in a child process of
+    each worker: a lost peer cannot take the worker's CUDA context with it), workers on CPUs over its gloo group; the
+    tensors sent over it are on the worker's GPU, or on the CPU. Both keep inplace.InPlace's generation bookkeeping.
+    The NCCL group's child is started for real (torchft spawns it, pickling the group's class by its import path):
+    on a host without a GPU its configure fails in NCCL's own words, the generation asked recorded, none formed."""
+    from datetime import timedelta
+
+    from torchft import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+    from trainer.engine.replica_group import replica_group, tensors_device
+
+    timeout = timedelta(seconds=60)
+    nccl, gloo = replica_group(torch.device("cuda", 0), timeout), replica_group(torch.device("cpu"), timeout)
+    assert isinstance(nccl, ProcessGroupBabyNCCL) and nccl.getBackendName() == "torchft-baby-nccl"
+    assert isinstance(gloo, ProcessGroupGloo) and gloo.getBackendName() == "torchft-gloo"
+    from trainer.engine.inplace import _replica_group  # what InPlace makes from its DistContext's device
+
+    assert isinstance(_replica_group(timeout, torch.device("cuda", 0)), ProcessGroupBabyNCCL)
+    assert isinstance(_replica_group(timeout, torch.device("cpu")), ProcessGroupGloo)
+    assert not isinstance(_replica_group(timeout), ProcessGroupBabyNCCL)
+    assert tensors_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert tensors_device(torch.device("cpu")) == tensors_device(torch.device("mps")) == torch.device("cpu")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for group in (nccl, gloo):
+        assert (group.asked, group.generation) == (0, 0)
+        try:
+            group.configure(f"127.0.0.1:{store.port}/{group.getBackendName()}", "replica-0", 0, 1, quorum_id=7)
+        except ValueError as err:
+            assert group is nccl and not torch.cuda.is_available() and "no GPUs found" in str(err), err
+            assert (group.asked, group.generation) == (7, 0) and group.configured_s > 0
+        else:
+            assert (group.asked, group.generation) == (7, 7) and group.configured_s > 0
+        finally:
+            group.shutdown()
+
+
+def test_the_state_sent_over_the_nccl_group_says_which_tensors_lived_on_the_gpu_and_the_rest_land_on_the_cpu():
+    """_StateOverGroup's placement, on this CPU: with the group's tensors on a GPU (NCCL), the sender marks each
+    tensor on that device type as the device's (it arrives on the receiver's own GPU) and the others (RNG states, a
+    CPU-side counter) as the CPU's; with gloo every tensor is the group's own, on the CPU. What was received on the
+    CPU stays that same tensor."""
+    from trainer.engine.inplace import _filled, _landed, _placed, _skeleton
+
+    state = {"model": {"w": torch.randn(3, 2)}, "rng": torch.Generator().manual_seed(1).get_state(), "step": 4}
+    tensors: list = []
+    skeleton = _skeleton(state, tensors)
+    assert [t.shape for t in tensors] == [(3, 2), state["rng"].shape]
+    assert _placed(tensors, torch.device("cuda", 0)) == [False, False]
+    assert _placed(tensors, torch.device("cpu")) == [True, True]
+    for on_device in ([True, True], [False, False], [True, False]):
+        landed = _landed(tensors, on_device)
+        assert all(a is b for a, b in zip(landed, tensors))
+        rebuilt = iter(landed).__next__
+        assert_identical(_filled(skeleton, lambda meta, take=rebuilt: take()), state, "state", same_types=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL replica group needs a CUDA GPU")
+def test_over_the_nccl_replica_group_the_state_arrives_on_the_gpu_and_the_float64_sums_add():
+    """Not run without a GPU (none had run it when it was written). Two NCCL replica groups on one GPU, as two
+    hosts (NCCL_HOSTID tells NCCL they are, which refuses two ranks of one GPU otherwise): the state of a returning
+    host arrives whole, the tensors the sender had on its GPU on the receiver's, its RNG states on the CPU; the
+    gradient sum and BufferChain's float64 sum add up over NCCL, and so does the end's flag."""
+    import threading
+    from collections import OrderedDict
+    from datetime import timedelta
+
+    from torch.distributed import AllreduceOptions, ReduceOp
+    from torch.utils._pytree import tree_map
+
+    from trainer.engine.inplace import _StateOverGroup
+    from trainer.engine.replica_group import replica_group
+
+    device, timeout = torch.device("cuda", 0), timedelta(seconds=60)
+    torch.cuda.set_device(device)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = [replica_group(device, timeout) for _ in range(2)]
+    saved = os.environ.get("NCCL_HOSTID")
+    try:
+        for rank, group in enumerate(groups):  # each group's child takes the environment as it is started
+            os.environ["NCCL_HOSTID"] = f"test-replica-{rank}"
+            group.configure(f"127.0.0.1:{store.port}/nccl", f"replica-{rank}", rank, 2, quorum_id=1)
+    finally:
+        os.environ.pop("NCCL_HOSTID") if saved is None else os.environ.update(NCCL_HOSTID=saved)
+
+    def state() -> dict:
+        g = torch.Generator().manual_seed(3)
+        return {"model": OrderedDict(w=torch.randn(64, 33, generator=g).to(device), empty=torch.zeros(0, 4).to(device),
+                                     half=torch.randn(7, generator=g).half().to(device)),
+                "optimizer": {"state": {0: {"momentum_buffer": torch.randn(33, 64, generator=g).to(device).t(),
+                                            "step": torch.tensor(12.0)}},
+                              "param_groups": [{"lr": 0.1, "params": [0]}]},
+                "rng": {"cpu": torch.Generator().manual_seed(9).get_state(), "cuda": torch.cuda.get_rng_state()},
+                "step": 41}
+
+    try:
+        sender, receiver = _StateOverGroup(groups[0], device), _StateOverGroup(groups[1], device)
+        send = threading.Thread(target=sender.send_checkpoint, args=([1], 41, state(), timeout))
+        send.start()
+        got = receiver.recv_checkpoint(0, "process-group", 41, timeout)
+        send.join()
+        assert got["model"]["w"].device == device and got["optimizer"]["state"][0]["momentum_buffer"].device == device
+        assert got["rng"]["cpu"].device.type == got["rng"]["cuda"].device.type == "cpu"
+        assert got["optimizer"]["state"][0]["step"].device.type == "cpu"
+        on_cpu = lambda tree: tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)  # noqa: E731
+        assert_identical(on_cpu(got), on_cpu(state()), "state", same_types=True)
+        assert receiver.moved_bytes == sender.moved_bytes > 64 * 33 * 4 * 2
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        for dtype in (torch.float64, torch.float32):  # BufferChain's sum; the gradients' and the end's flag
+            flats = [torch.full((5,), rank + 1.0, dtype=dtype, device=device) for rank in range(2)]
+            works = [group.allreduce([flat], opts) for group, flat in zip(groups, flats)]
+            for work in works:
+                work.wait(timeout)
+            assert all(flat.cpu().tolist() == [3.0] * 5 for flat in flats), (dtype, flats)
+    finally:
+        for group in groups:
+            group.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 def dry_run(env: dict[str, str], *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:

@@ -47,8 +47,9 @@ def identity(host: str, port: int) -> str:
     return url(address, port)
 
 
-# The torchft releases whose API this code knows (its Manager's arguments, ProcessGroupGloo.configure, which
-# inplace.py overrides, and the Rust LighthouseServer loaded by path in serve()); pyproject.toml pins this range.
+# The torchft releases whose API this code knows (its Manager's arguments, ProcessGroupGloo.configure and
+# ProcessGroupBabyNCCL.configure, which trainer/engine/replica_group.py overrides, and the Rust LighthouseServer loaded
+# by path in serve()); pyproject.toml pins this range.
 TORCHFT_TESTED = ("0.2",)
 TORCHFT_REQUIREMENT = "torchft>=0.2,<0.3"
 

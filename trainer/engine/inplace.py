@@ -7,7 +7,8 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
 
   begin_step()  the quorum (torchft asks the lighthouse): who trains this step. A new membership gets a new process
                 group across the hosts (a new generation of torchft's reconfigurable gloo group on the first host's
-                store). A host behind (returned, or new) gets the state from a live peer over that group before the
+                store; on GPUs its NCCL group, in a child process of each worker, not run on a GPU yet:
+                trainer.engine.replica_group). A host behind (returned, or new) gets the state from a live peer over that group before the
                 step: the checkpoint dict of trainer.checkpoint, its structure sent with torch.save and read with
                 weights_only=True, its tensors as they are in memory (_StateOverGroup). Hosts all behind the job's
                 newest committed checkpoint (those that trained further left while they started) go on from it.
@@ -132,8 +133,17 @@ class InPlace:
                              "pip install 'torchft>=0.2,<0.3' (a dependency of the trainer) on every host, or RECOVERY=restart") from None
         from torchft import Manager
 
-        self.group = _replica_group(timeout)
-        self.transport = _StateOverGroup(self.group)
+        from trainer.engine.replica_group import tensors_device
+
+        # Over NCCL on GPUs (not run on a GPU yet: trainer.engine.replica_group), gloo on CPUs; the tensors this
+        # module sends over the group (the state, the sums, the end's flag) are on self.device.
+        self.device = tensors_device(ctx.device)
+        self.group = _replica_group(timeout, ctx.device)
+        self.transport = _StateOverGroup(self.group, self.device)
+        if ctx.is_local_main:
+            log.info("in place: the replica group across the hosts is %s%s", self.group.getBackendName(),
+                     " (torchft's NCCL, in a child process of each worker; in place over NCCL had not run on a GPU "
+                     "when this was written: `bash bench/gpu.sh quick` measures it)" if self.device.type == "cuda" else "")
         address = env.get(REPLICA_ADDR_ENV, "").strip() or "127.0.0.1"
         try:
             self.manager = Manager(
@@ -316,7 +326,8 @@ class InPlace:
         # One more element: how many hosts began this step from the newest checkpoint. Each read it on its own, and
         # one that read a newer one than another's would train from another state: such a step is abandoned, and
         # the next quorum heals every host to the furthest (torchft compares their steps).
-        reloaded = grads[0].new_full((1,), float(self.reloaded)) if grads else torch.tensor([float(self.reloaded)])
+        reloaded = grads[0].new_full((1,), float(self.reloaded)) if grads else \
+            torch.tensor([float(self.reloaded)], device=self.device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), reloaded])
         # The host's own DistributedDataParallel has averaged over its processes: x processes / largest world.
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
@@ -377,7 +388,7 @@ class InPlace:
         import torch
         from torch.distributed import ReduceOp
 
-        flag = torch.tensor([1.0 if wrote else 0.0])
+        flag = torch.tensor([1.0 if wrote else 0.0], device=self.device)  # NCCL's tensors: on the GPU
         return bool(self.manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()) and flag.item() > 0 \
             and self.manager.errored() is None
 
@@ -439,10 +450,11 @@ class InPlace:
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
-        try:
-            self.manager.shutdown(wait=False)
-        except Exception:  # noqa: BLE001 (leaving: nothing more to do with it)
-            pass
+        for end in (lambda: self.manager.shutdown(wait=False), self.group.shutdown):  # the NCCL group's child too
+            try:
+                end()
+            except Exception:  # noqa: BLE001 (leaving: nothing more to do with it)
+                pass
 
 
 def fingerprint(settings: dict[str, Any], built: dict[str, Any], modules: dict[str, Any]) -> dict[str, Any]:
@@ -577,38 +589,33 @@ class _Renumbered:
         return getattr(self._quorum, name)
 
 
-def _replica_group(timeout: timedelta):
-    """torchft's reconfigurable gloo group, which also remembers the generation (quorum id) it was made for."""
-    from torchft import ProcessGroupGloo
+def _replica_group(timeout: timedelta, device=None):
+    """torchft's reconfigurable group for workers on `device` (None: the CPU's), which also remembers the generation
+    (quorum id) it was made for: gloo on CPUs, NCCL on CUDA (trainer.engine.replica_group says which and why)."""
+    import torch
 
-    class ReplicaGroup(ProcessGroupGloo):
-        generation = 0  # the generation of the group formed last
-        asked = 0       # the generation of the quorum's group asked for last (formed, or its rendezvous failed)
-        configured_s = 0.0  # the last configure's seconds (the new group's rendezvous across the hosts)
+    from trainer.engine.replica_group import replica_group
 
-        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
-                      group_rank: int | None = None, group_world_size: int | None = None,
-                      global_ranks: list[int] | None = None) -> None:
-            began, self.asked = time.perf_counter(), quorum_id or 0
-            try:
-                super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
-                                  global_ranks)
-            finally:
-                self.configured_s = time.perf_counter() - began
-            self.generation = quorum_id or 0
-
-    return ReplicaGroup(timeout=timeout)
+    return replica_group(torch.device("cpu") if device is None else torch.device(device), timeout)
 
 
-def _StateOverGroup(group):
+def _StateOverGroup(group, device=None):
     """torchft's transport for a host behind: the state from a live peer over the new group. torchft's own (HTTP, and
     its process-group one) unpickle what a peer sends; this one sends the dict's structure as torch.save's bytes with
     every tensor in it replaced by a meta tensor of its shape and dtype (read with weights_only=True, as every
     checkpoint is), then each tensor's own bytes as they are in memory. No tensor is pickled or copied into one
     buffer: pickling the whole state took the running host most of a 5-6 s pause per return at 129 M parameters
-    (docs/benchmarks.md, "In-place recovery at 129 M parameters")."""
+    (docs/benchmarks.md, "In-place recovery at 129 M parameters").
+
+    device: where the group's tensors must be (replica_group.tensors_device: the CPU for gloo, the worker's GPU for
+    NCCL; None: the CPU). The structure says which tensors lived there on the sender (_placed): those arrive on the
+    receiver's own device (a sender's cuda:1 is the receiver's cuda:0 if that is its device), the others (RNG
+    states, a CPU-side counter) cross through the device and land on the CPU, where they were. Over gloo every
+    tensor lands on the CPU, as the group carries them."""
     import torch
     from torchft.checkpointing.transport import CheckpointTransport
+
+    device = torch.device("cpu") if device is None else torch.device(device)
 
     class StateOverGroup(CheckpointTransport):
         moved_s, moved_bytes = 0.0, 0  # the last transfer's seconds (serialising included) and size
@@ -620,10 +627,11 @@ def _StateOverGroup(group):
             began = time.perf_counter()
             tensors: list = []
             buffer = io.BytesIO()
-            torch.save(_skeleton(state_dict, tensors), buffer)
-            structure = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-            parts = [_as_bytes(t) for t in tensors]
-            header = torch.tensor([structure.numel(), step, len(parts)], dtype=torch.int64)
+            skeleton = _skeleton(state_dict, tensors)
+            torch.save({"state": skeleton, "on_device": _placed(tensors, device)}, buffer)
+            structure = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+            parts = [_as_bytes(t, device) for t in tensors]
+            header = torch.tensor([structure.numel(), step, len(parts)], dtype=torch.int64, device=device)
             for rank in dst_ranks:
                 group.send([header], rank, 1).wait(timeout)
                 group.send([structure], rank, 2).wait(timeout)
@@ -635,31 +643,42 @@ def _StateOverGroup(group):
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
             began = time.perf_counter()
-            header = torch.zeros(3, dtype=torch.int64)
+            header = torch.zeros(3, dtype=torch.int64, device=device)
             group.recv([header], src_rank, 1).wait(timeout)
-            size, sent_step, count = (int(v) for v in header)
+            size, sent_step, count = (int(v) for v in header.cpu())
             if sent_step != step:
                 raise RuntimeError(f"a peer sent the state of step {sent_step}, not {step}")
-            structure = torch.empty(size, dtype=torch.uint8)
+            structure = torch.empty(size, dtype=torch.uint8, device=device)
             group.recv([structure], src_rank, 2).wait(timeout)
-            skeleton = torch.load(io.BytesIO(structure.numpy().tobytes()), map_location="cpu", weights_only=True)
-            made: list = []
-
-            def receive(meta):
-                made.append(torch.empty(meta.shape, dtype=meta.dtype))
-                return made[-1]
-
-            state = _filled(skeleton, receive)
-            if len(made) != count:
-                raise RuntimeError(f"the state's structure holds {len(made)} tensors, the peer sent {count}")
-            received = [group.recv([_as_bytes(t)], src_rank, 3) for t in made if t.numel()]
+            sent = torch.load(io.BytesIO(structure.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
+            skeleton, on_device = sent["state"], sent["on_device"]
+            metas: list = []
+            _filled(skeleton, metas.append)
+            if len(metas) != count or len(on_device) != count:
+                raise RuntimeError(f"the state's structure holds {len(metas)} tensors, the peer sent {count}")
+            made = [torch.empty(meta.shape, dtype=meta.dtype, device=device) for meta in metas]
+            received = [group.recv([_as_bytes(t, device)], src_rank, 3) for t in made if t.numel()]
             for work in received:
                 work.wait(timeout)
+            landed = iter(_landed(made, on_device))
+            state = _filled(skeleton, lambda meta: next(landed))
             self.moved_s = time.perf_counter() - began
             self.moved_bytes = size + sum(t.numel() * t.element_size() for t in made)
             return state
 
     return StateOverGroup()
+
+
+def _placed(tensors: list, device) -> list[bool]:
+    """For each tensor a sender sends: whether it lives on the group's device (a GPU's, when the group is NCCL), so
+    that the receiver keeps it on its own device; False: it lives on the CPU (or elsewhere) and lands there."""
+    return [t.device.type == device.type for t in tensors]
+
+
+def _landed(received: list, on_device: list[bool]) -> list:
+    """The tensors received over the group, each where the sender had it: on the receiver's group device (where it
+    arrived) if on_device, else on the CPU."""
+    return [t if on or t.device.type == "cpu" else t.cpu() for t, on in zip(received, on_device)]
 
 
 def _movable(value) -> bool:
@@ -701,11 +720,12 @@ def _replaced(value, chosen: Callable, replace: Callable):
     return value
 
 
-def _as_bytes(tensor):
-    """A tensor's bytes as a flat uint8 tensor over the same memory where it can (a CPU tensor already contiguous)."""
+def _as_bytes(tensor, device="cpu"):
+    """A tensor's bytes as a flat uint8 tensor on `device` (the group's), over the same memory where it can (a
+    tensor already there and contiguous): what a receive fills, or a send reads."""
     import torch
 
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
 
 
 def said(err: BaseException) -> str:
@@ -785,6 +805,7 @@ class BufferChain:
 
         if local_rank != 0:
             return None
+        # On the buffers' device: the GPU under NCCL, whose sum takes float64 (ncclFloat64) as gloo's does.
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
         if not holds:
             flat.zero_()
