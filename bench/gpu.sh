@@ -13,10 +13,12 @@
 #      GPU with fsdp + activation checkpointing + CPU offload and not with ddp (+ activation checkpointing);
 #   7. fsdp/ddp throughput, ResNet-50 224x224, bf16 + channels_last, one GPU;
 #   8. per-rank step timing on CUDA events (GPU memory, utilization), a profiler trace with CUDA
-#      kernels, trainer-report, and the defaults (timing on) against --step-timing false.
+#      kernels, trainer-report, and the defaults (timing on) against --step-timing false;
+#   9. the tests that need a CUDA GPU (pytest -m gpu: deselected everywhere else, a skip failing CI), e.g. the
+#      returning host's state and the sums over torchft's NCCL replica group (needs pytest in the image).
 # Results (the harness's .md/.json and the logs) go to $OUT, or bench/results.
 #
-#     bash bench/gpu.sh          # all eight
+#     bash bench/gpu.sh          # all nine
 #     bash bench/gpu.sh 1 2      # some
 #
 # quick: the GPU measurements this stack owes, in one call of at most 7 minutes (420 s, start-up of every run
@@ -37,7 +39,7 @@ if [[ ${1:-} == quick ]]; then
 fi
 
 mkdir -p "$out"
-sections=${*:-1 2 3 4 5 6 7 8}
+sections=${*:-1 2 3 4 5 6 7 8 9}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
@@ -138,4 +140,9 @@ assert steps == ["ProfilerStep#40", "ProfilerStep#41", "ProfilerStep#42"] and ke
 EOF
   $python -m bench --nproc 1 --stacks trainer baseline --model resnet18 --batch-size 256 --steps 100 --threads 4 \
     --trainer-args '--log-every 10' --baseline-args '--log-every 10 --step-timing false' --out "$out"
+fi
+
+if [[ " $sections " == *" 9 "* ]]; then
+  echo "== 9. the tests that need a CUDA GPU (pytest -m gpu)"
+  $python -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu-tests.log"
 fi

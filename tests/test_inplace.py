@@ -911,6 +911,7 @@ def test_the_state_sent_over_the_nccl_group_says_which_tensors_lived_on_the_gpu_
         assert_identical(_filled(skeleton, lambda meta, take=rebuilt: take()), state, "state", same_types=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL replica group needs a CUDA GPU")
 def test_over_the_nccl_replica_group_the_state_arrives_on_the_gpu_and_the_float64_sums_add():
     """Not run without a GPU (none had run it when it was written). Two NCCL replica groups on one GPU, as two
