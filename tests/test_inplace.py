@@ -1482,6 +1482,11 @@ def test_the_master_addr_host_lost_for_good_leaves_the_other_training_within_sec
     numbers = [g for g, _ in generations(output)]
     assert numbers == sorted(set(numbers)), generations(output)  # only growing
     assert generations(output)[-1][1] == 1
+    urls = [f"http://{where.address}:{port}" for where in hosts]
+    assert f"torchft's lighthouses at {urls[0]} or {urls[1]} (LIGHTHOUSE_HOSTS: one in use, the others standing by)" \
+        in output, output[:3000]
+    assert f"in place: the lighthouse at {urls[0]} does not answer: this host moves to the one at {urls[1]} (the " \
+        "job's lease unchanged for " in output, output[-4000:]
     steps = samples // 2 // SHARE_BATCH
     check_the_order(tmp_path, survivor, steps, samples=samples)
     assert newest_step(tmp_path / "checkpoints") == steps
@@ -1516,16 +1521,23 @@ def test_hosts_cut_apart_with_a_lighthouse_on_each_side_never_train_apart(hosts,
                            for node in nodes) and committed_lines(tmp_path) >= 20, RUN_BOUND_S,
                "both hosts training together")
     kept, cut_off = worker_pid(first), worker_pid(second)
+    cut_side = {cut_off}  # the cut-off host's workers (started again, when fenced)
     hosts[0].link("down")
     try:
         before = len(committed_by(tmp_path, cut_off))
-        wait_until(lambda: sum(1 for world, _ in committed_by(tmp_path, kept) if world == 1) >= 30, RUN_BOUND_S,
-                   f"the MASTER_ADDR host training alone\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+
+        def apart() -> list[tuple[int, int]]:
+            """The steps the cut-off side committed since the cut, but the one in flight at the cut (committed by
+            both before it: its line is written after)."""
+            cut_side.update(workers(second))
+            return committed_by(tmp_path, cut_off)[before + 1:] + \
+                [line for pid in cut_side - {cut_off} for line in committed_by(tmp_path, pid)]
+
+        wait_until(lambda: apart() or sum(1 for world, _ in committed_by(tmp_path, kept) if world == 1) >= 30,
+                   RUN_BOUND_S, f"the MASTER_ADDR host training alone\n{first.output()[-3000:]}\n"
+                   f"{second.output()[-3000:]}")
         time.sleep(5)  # the cut-off side's quorums fail meanwhile (its lighthouse answers it)
-        # At most the step in flight at the cut, committed by both before it (its line is written after).
-        apart = committed_by(tmp_path, cut_off)[before + 1:] + \
-            [line for pid in seen(tmp_path) if pid not in (kept, cut_off) for line in committed_by(tmp_path, pid)]
-        assert apart == [], (apart, second.output()[-4000:])
+        assert apart() == [], (apart(), second.output()[-4000:])
     finally:
         hosts[0].link("up")
     for node in nodes:

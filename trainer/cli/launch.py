@@ -185,6 +185,11 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
         raise UsageError(addr_var, f"what answers at {lighthouse.url(host, port)} is not torchft's lighthouse ({seen})",
                          f"another service holds {port_var} on the MASTER_ADDR host; choose another {port_var}, the "
                          "same on every host, or stop it") from None
+    if why is not None and len(hosts) > 1:
+        raise UsageError("LIGHTHOUSE_HOSTS", f"no lighthouse at {' or '.join(lighthouse.url(h, port) for h in hosts)} "
+                         f"can be reached ({why}; waited RDZV_TIMEOUT, {bound} s)", "start trainer-launch on a host of "
+                         "LIGHTHOUSE_HOSTS first (it runs a lighthouse), or check LIGHTHOUSE_HOSTS, MASTER_PORT and "
+                         "the firewall between the hosts")
     if why is not None:
         given = job.variables("master_addr", "master_port") or ["MASTER_ADDR", "MASTER_PORT"]
         raise UsageError(given[0], f"the lighthouse at {lighthouse.url(host, port)} cannot be reached ({why}; waited "
