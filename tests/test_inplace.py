@@ -1102,6 +1102,15 @@ def test_an_unknown_recovery_is_one_line_and_exit_2():
         "or comes (seconds per change); restart starts every host's workers again from the newest checkpoint)"]
 
 
+@pytest.mark.parametrize("value", ["10.0.0.1,,10.0.0.2", "10.0.0.1,10.0.0.1", "10.0.0.1 10.0.0.2"])
+def test_lighthouse_hosts_that_is_not_a_list_of_hosts_is_one_line_and_exit_2(value):
+    done = dry_run({"LIGHTHOUSE_HOSTS": value}, "--model", "cnn")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: LIGHTHOUSE_HOSTS: '{value}' is not a list of hosts (name the hosts that run a lighthouse, in order, "
+        "comma-separated and each once (e.g. 10.0.0.1,10.0.0.2), the same on every host; each listens at "
+        "MASTER_PORT)"], done.stderr
+
+
 def test_an_in_place_job_says_it_runs_no_c10d_rendezvous(tmp_path):
     """In place no c10d rendezvous runs across the hosts (each host's group is its own; the lighthouse's quorum says
     who trains each step): --dry-run's facts and the topology line a start prints say so (the restart path's stay
@@ -1546,3 +1555,119 @@ def test_the_sum_over_the_hosts_is_ddps_to_the_bit_at_two_hosts_and_rounds_other
     differing, most = found[3]["first_sum"]
     assert differing > 0 and most < 1e-7, found[3]  # a last bit of about half the elements
     assert found[3]["after_a_loss"][0] > 0 and found[3]["weights"][0] > 0, found[3]
+
+
+# ------------------------------------------------------------------------------------------------ no single host
+
+def two_lighthouses(hosts) -> str:
+    """LIGHTHOUSE_HOSTS naming both hosts, MASTER_ADDR's first: each launcher runs a lighthouse beside it."""
+    return ",".join(where.address for where in hosts)
+
+
+@pytest.mark.slow
+def test_the_master_addr_host_lost_for_good_leaves_the_other_training_within_seconds_on_its_own_lighthouse(
+        hosts, tmp_path, launches):
+    """LIGHTHOUSE_HOSTS names both hosts: the MASTER_ADDR host (its launcher, its worker and the lighthouse beside
+    it) SIGKILLed for good while both train; the other host moves to the lighthouse beside its own launcher once the
+    job's lease in the checkpoint directory has stopped changing, goes on in its own processes within seconds, and
+    finishes, exit 0, every step trained once in its order. It exited (no quorum without the MASTER_ADDR host's
+    lighthouse; issue 43)."""
+    port = free_port()
+    samples = SAMPLES * 2
+    both = two_lighthouses(hosts)
+    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, LIGHTHOUSE_HOSTS=both)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], samples=samples, LIGHTHOUSE_HOSTS=both)
+    launches.append(second)
+    nodes = [first, second]
+    wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                           for node in nodes) and committed_lines(tmp_path) >= 40, RUN_BOUND_S,
+               "both hosts training together")
+    survivor = worker_pid(second)
+    commits = Commits(tmp_path)
+    try:
+        first.stop_everything()  # SIGKILL: the launcher, its worker and the lighthouse beside it, for good
+        killed = time.monotonic()
+        back = committed_lines(tmp_path)
+        wait_until(lambda: committed_lines(tmp_path) >= back + 10, RUN_BOUND_S,
+                   f"the other host training on\n{second.output()[-3000:]}")
+        assert workers(second) == [survivor]  # its own processes, not restarted
+    finally:
+        commits.stop()
+    gap = commits.longest_gap(killed)
+    print(f"the longest gap between committed steps from the MASTER_ADDR host's kill: {gap:.1f} s")
+    # The goal is <= 10 s (issue 43); this bound leaves room for a loaded 2-core machine.
+    assert gap < 20, gap
+    assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
+    output = second.output()
+    assert "restart 1 of" not in output and "Traceback" not in output and "error:" not in output, output[-4000:]
+    numbers = [g for g, _ in generations(output)]
+    assert numbers == sorted(set(numbers)), generations(output)  # only growing
+    assert generations(output)[-1][1] == 1
+    urls = [f"http://{where.address}:{port}" for where in hosts]
+    assert f"torchft's lighthouses at {urls[0]} or {urls[1]} (LIGHTHOUSE_HOSTS: one in use, the others standing by)" \
+        in output, output[:3000]
+    assert f"in place: the lighthouse at {urls[0]} does not answer: this host moves to the one at {urls[1]} (the " \
+        "job's lease unchanged for " in output, output[-4000:]
+    steps = samples // 2 // SHARE_BATCH
+    check_the_order(tmp_path, survivor, steps, samples=samples)
+    assert newest_step(tmp_path / "checkpoints") == steps
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+def committed_by(out: Path, pid: int) -> list[tuple[int, int]]:
+    """(world size, step) of each step the worker `pid` committed so far."""
+    try:
+        return [tuple(map(int, line.split()[:2])) for line in (out / f"seen-{pid}.txt").read_text().splitlines()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+def test_hosts_cut_apart_with_a_lighthouse_on_each_side_never_train_apart(hosts, tmp_path, launches):
+    """LIGHTHOUSE_HOSTS names both hosts, each runs a lighthouse: the network between them cut while both train (a
+    split brain: each side reaches a lighthouse of its own). The side with the job's lighthouse (the MASTER_ADDR
+    host, whose lease in the shared checkpoint directory keeps changing) trains on alone; the other side does not
+    move to its own lighthouse and commits not one step apart. The link back, the cut-off host is fenced (the job
+    went on without it), starts again and rejoins; both finish, each step trained once in its order."""
+    port = free_port()
+    samples = SAMPLES * 2
+    both = two_lighthouses(hosts)
+    first = host(tmp_path, port, "hostA", hosts[0], samples=samples, LIGHTHOUSE_HOSTS=both)
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], samples=samples, LIGHTHOUSE_HOSTS=both)
+    launches.append(second)
+    nodes = [first, second]
+    wait_until(lambda: all(generations(node.output())[-1:] and generations(node.output())[-1][1] == 2
+                           for node in nodes) and committed_lines(tmp_path) >= 20, RUN_BOUND_S,
+               "both hosts training together")
+    kept, cut_off = worker_pid(first), worker_pid(second)
+    cut_side = {cut_off}  # the cut-off host's workers (started again, when fenced)
+    hosts[0].link("down")
+    try:
+        before = len(committed_by(tmp_path, cut_off))
+
+        def apart() -> list[tuple[int, int]]:
+            """The steps the cut-off side committed since the cut, but the one in flight at the cut (committed by
+            both before it: its line is written after)."""
+            cut_side.update(workers(second))
+            return committed_by(tmp_path, cut_off)[before + 1:] + \
+                [line for pid in cut_side - {cut_off} for line in committed_by(tmp_path, pid)]
+
+        wait_until(lambda: apart() or sum(1 for world, _ in committed_by(tmp_path, kept) if world == 1) >= 30,
+                   RUN_BOUND_S, f"the MASTER_ADDR host training alone\n{first.output()[-3000:]}\n"
+                   f"{second.output()[-3000:]}")
+        time.sleep(5)  # the cut-off side's quorums fail meanwhile (its lighthouse answers it)
+        assert apart() == [], (apart(), second.output()[-4000:])
+    finally:
+        hosts[0].link("up")
+    for node in nodes:
+        assert node.wait(RUN_BOUND_S) == 0, node.output()[-4000:]
+    assert "moves to the one at" not in second.output(), second.output()[-4000:]
+    assert "the job's lease" in second.output(), second.output()[-4000:]
+    steps = samples // 2 // SHARE_BATCH
+    check_the_order(tmp_path, kept, steps, samples=samples)  # each step trained once, in its exact order
+    assert newest_step(tmp_path / "checkpoints") == steps
+    assert read_summary(tmp_path / "runs")["status"] == "completed"

@@ -52,6 +52,7 @@ def claim(directory: Path, job: str | None = None) -> IO[str]:
 
 JOB_HOLDER = "the in-place job of the lighthouse at "  # the lock file's first words while an in-place job holds it
 JOB_SETTINGS = ".job-settings.json"  # the settings of the in-place job that holds the directory (job_settings())
+LIGHTHOUSE_LEASE = ".lighthouse-lease"  # the lighthouse the job trains with, and a count its first host changes (trainer.engine.lighthouses)
 JOB_ENDED = ".job-ended.json"  # the in-place job that held the directory trained to its end (record_end())
 CLAIM_WAIT_S = 5.0  # another job's first host converting its lock (exclusive -> shared) holds it this briefly
 

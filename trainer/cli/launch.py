@@ -29,7 +29,7 @@ from trainer.cluster.topology import Topology
 from trainer.config import launcher
 from trainer.config.launcher import help_table
 from trainer.config.settings import (ELASTIC_WORLD_ENV, INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHOUSE_ENV,
-                                     REPLICA_ADDR_ENV, REPLICA_ENV, TrainConfig, script_settings)
+                                     LIGHTHOUSES_ENV, REPLICA_ADDR_ENV, REPLICA_ENV, TrainConfig, script_settings)
 from trainer.core.errors import UsageError, exit_on_usage_error, print_error
 
 EPILOG = """
@@ -158,6 +158,9 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
     something else that answers in its place, is one line and exit 2 (UsageError)."""
     job, recovery = launch.job, launch.recovery
     host, port = job.master_addr, job.master_port
+    # LIGHTHOUSE_HOSTS: each runs one beside its launcher; the job uses the first that answers (the workers move to
+    # the next when its host is lost: trainer.engine.lighthouses). The job's name stays MASTER_ADDR's (identity).
+    hosts = launch.settings.lighthouse_hosts or (host,)
     bound = launch.settings.rdzv_timeout
     started = None
     identity = lighthouse.identity(host, port)
@@ -171,15 +174,22 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
         hold_for_the_job(directory, identity)
     addr_var, port_var = job.variables("master_addr")[0], job.variables("master_port")[0]
     try:
-        if lighthouse.here(host) and lighthouse.answers(host, port) is not None:
+        mine = next((each for each in hosts if lighthouse.here(each)), None)
+        if mine is not None and lighthouse.answers(mine, port) is not None:
             timeout = launch.cfg.collective_timeout if launch.cfg is not None else \
                 script_settings({}, env, job.world_size).collective_timeout
             started = lighthouse.start(port, job.min_nodes, timeout)
-        why = lighthouse.wait(host, port, bound, lambda line: print(line, file=sys.stderr, flush=True), started, ended)
+        why = lighthouse.wait(hosts if len(hosts) > 1 else host, port, bound,
+                              lambda line: print(line, file=sys.stderr, flush=True), started, ended)
     except lighthouse.NotTheLighthouse as seen:
         raise UsageError(addr_var, f"what answers at {lighthouse.url(host, port)} is not torchft's lighthouse ({seen})",
                          f"another service holds {port_var} on the MASTER_ADDR host; choose another {port_var}, the "
                          "same on every host, or stop it") from None
+    if why is not None and len(hosts) > 1:
+        raise UsageError("LIGHTHOUSE_HOSTS", f"no lighthouse at {' or '.join(lighthouse.url(h, port) for h in hosts)} "
+                         f"can be reached ({why}; waited RDZV_TIMEOUT, {bound} s)", "start trainer-launch on a host of "
+                         "LIGHTHOUSE_HOSTS first (it runs a lighthouse), or check LIGHTHOUSE_HOSTS, MASTER_PORT and "
+                         "the firewall between the hosts")
     if why is not None:
         given = job.variables("master_addr", "master_port") or ["MASTER_ADDR", "MASTER_PORT"]
         raise UsageError(given[0], f"the lighthouse at {lighthouse.url(host, port)} cannot be reached ({why}; waited "
@@ -188,7 +198,9 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
                          "RECOVERY=restart takes the restart path instead")
     if started is not None:  # this launcher runs the lighthouse: it starts it again whenever it ends
         lighthouse.keep(started, port, job.min_nodes, timeout, lambda line: print(line, file=sys.stderr, flush=True))
-    os.environ.update({LIGHTHOUSE_ENV: lighthouse.url(host, port), INPLACE_WORLD_ENV: str(job.world_size),
+    if len(hosts) > 1:
+        os.environ[LIGHTHOUSES_ENV] = ",".join(lighthouse.url(each, port) for each in hosts)
+    os.environ.update({LIGHTHOUSE_ENV: lighthouse.url(hosts[0], port), INPLACE_WORLD_ENV: str(job.world_size),
                        REPLICA_ENV: recovery.replica, REPLICA_ADDR_ENV: recovery.local.master_addr,
                        INPLACE_JOB_ENV: identity})
     return started

@@ -60,14 +60,19 @@ class Recovery:
     why: str = ""
     local: Topology | None = None
     replica: str = ""
+    lighthouses: tuple[str, ...] = ()  # LIGHTHOUSE_HOSTS (empty: MASTER_ADDR's alone)
 
     def line(self) -> str:
         """The one line naming the path the job is on."""
         job = self.job
         if self.in_place:
+            said = f"torchft's lighthouse at {lighthouse.url(job.master_addr, job.master_port)} says" \
+                if len(self.lighthouses) < 2 else \
+                (f"torchft's lighthouses at {' or '.join(lighthouse.url(h, job.master_port) for h in self.lighthouses)} "
+                 "(LIGHTHOUSE_HOSTS: one in use, the others standing by) say")
             return (f"recovery: in place: a lost or returning host costs the others seconds (the processes stay; "
-                    f"torchft's lighthouse at {lighthouse.url(job.master_addr, job.master_port)} says who trains each "
-                    f"step; up to {job.world_size} processes, {job.min_nodes} host(s) at least)")
+                    f"{said} who trains each step; up to {job.world_size} processes, {job.min_nodes} host(s) at "
+                    "least)")
         return (f"recovery: restart: a lost or returning host restarts every host's workers from the newest "
                 f"checkpoint ({self.why})")
 
@@ -406,7 +411,7 @@ def choose_recovery(settings: LauncherSettings, topology: Topology, program: Pro
         raise UsageError("RECOVERY", f"in-place recovery runs on torchft {tested}, and this host has torchft {version}",
                          f"pip install '{lighthouse.TORCHFT_REQUIREMENT}', or RECOVERY=restart for the restart path")
     local_addr = address_toward(topology.master_addr, topology.master_port) or socket.gethostname()
-    return Recovery(True, topology, local=local_group(topology, local_addr),
+    return Recovery(True, topology, local=local_group(topology, local_addr), lighthouses=settings.lighthouse_hosts,
                     replica=f"{local_addr}-{socket.gethostname()}")
 
 

@@ -243,18 +243,23 @@ def serve(port: int, min_hosts: int, join_timeout_s: float, exit_if_taken: bool 
         time.sleep(3600)
 
 
-def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], started: subprocess.Popen | None = None,
-         poll: Callable[[], None] | None = None) -> str | None:
+def wait(host: str | tuple[str, ...], port: int, bound_s: float, say: Callable[[str], None],
+         started: subprocess.Popen | None = None, poll: Callable[[], None] | None = None) -> str | None:
     """Wait until the lighthouse answers (said once after a few seconds); None, or why nothing ever did. Something
     else answering there is NotTheLighthouse, at once: it will not turn into the lighthouse; so is a port held on
     this host (the lighthouse started here found it taken) by something that does not answer at host:port. poll:
-    called while nothing answers (what it raises ends the wait: the job has ended, say)."""
+    called while nothing answers (what it raises ends the wait: the job has ended, say). Several hosts
+    (LIGHTHOUSE_HOSTS): any of their lighthouses answering ends the wait."""
+    hosts = (host,) if isinstance(host, str) else host
+    host = hosts[0]
     deadline, said = time.monotonic() + bound_s, False
     began, taken_at = time.monotonic(), None
     while True:
-        why = answers(host, port)
-        if why is None:
-            return None
+        why = None
+        for each in hosts:
+            why = answers(each, port)
+            if why is None:
+                return None
         if started is not None and started.poll() is not None:
             # Another launcher on this machine took the port first (several hosts on one machine): its lighthouse
             # answers at once. Anything else that holds it here answers not at all (bound to another address).
@@ -268,7 +273,9 @@ def wait(host: str, port: int, bound_s: float, say: Callable[[str], None], start
             return why
         if not said and time.monotonic() - began > 3:
             say(f"waiting for the lighthouse at {url(host, port)} (up to RDZV_TIMEOUT, {bound_s:g} s): it runs beside "
-                "trainer-launch on the MASTER_ADDR host")
+                "trainer-launch on the MASTER_ADDR host" if len(hosts) == 1 else
+                f"waiting for a lighthouse at {' or '.join(url(each, port) for each in hosts)} (up to RDZV_TIMEOUT, "
+                f"{bound_s:g} s): they run beside trainer-launch on the hosts of LIGHTHOUSE_HOSTS")
             said = True
         time.sleep(0.2)
 

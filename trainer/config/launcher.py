@@ -68,6 +68,11 @@ LAUNCHER_SETTINGS = (
              "change; where the job cannot (torchft not installed, --strategy fsdp, local SGD, a script not on "
              "run.steps()) it takes the restart path and says why; on GPUs only when set (no GPU has run it yet). "
              "restart: every host's workers start again from the newest checkpoint (docs/elastic.md)"),
+    Variable("LIGHTHOUSE_HOSTS", "MASTER_ADDR", "in place: the hosts that run a lighthouse beside their launcher, "
+             "in order, comma-separated (e.g. hostA,hostB; the same on every host; each at MASTER_PORT): the job "
+             "uses one, and when its host is lost the hosts left move to the next that answers, keeping their "
+             "processes, so that no host's loss ends the job; a lease in the checkpoint directory keeps hosts cut "
+             "off from the job's lighthouse from training apart on another (docs/elastic.md)"),
     Variable("PREFLIGHT", "1", "run trainer-doctor before training; 0 skips it"),
     Variable("TRAIN_SCRIPT", "unset", "your own script (a path, or -m and a module) when the command line names none"),
 )
@@ -206,6 +211,7 @@ class LauncherSettings:
     script_launch: str
     preflight: bool
     recovery: str = "in-place"  # an elastic job's wish (RECOVERY); launch.choose_recovery says what it gets
+    lighthouse_hosts: tuple[str, ...] = ()  # in place, LIGHTHOUSE_HOSTS (empty: MASTER_ADDR's alone)
 
     @property
     def workers_grace(self) -> int:
@@ -227,6 +233,13 @@ def read(env: Mapping[str, str], elastic: bool) -> LauncherSettings:
         raise UsageError(located(env, "RECOVERY"), f"'{recovery}' is not one of {', '.join(RECOVERY_CHOICES)}",
                          "in-place keeps the processes when a host goes or comes (seconds per change); restart starts "
                          "every host's workers again from the newest checkpoint")
+    named = env.get("LIGHTHOUSE_HOSTS", "").strip()
+    hosts = tuple(item.strip() for item in named.split(",")) if named else ()
+    if any(not item or any(c.isspace() or c in "/@" for c in item) for item in hosts) or \
+            len(set(hosts)) != len(hosts):
+        raise UsageError(located(env, "LIGHTHOUSE_HOSTS"), f"'{named}' is not a list of hosts",
+                         "name the hosts that run a lighthouse, in order, comma-separated and each once (e.g. "
+                         "10.0.0.1,10.0.0.2), the same on every host; each listens at MASTER_PORT")
     return LauncherSettings(
         max_restarts=env_int(env, "MAX_RESTARTS", restarts, 0),
         rdzv_timeout=env_int(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT, 1),
@@ -234,4 +247,4 @@ def read(env: Mapping[str, str], elastic: bool) -> LauncherSettings:
         stop_grace=grace_s(env, "STOP_GRACE_PERIOD"),
         script_launch=choice,
         preflight=boolean(env, "PREFLIGHT", True, "use 1 to run trainer-doctor first or 0 to skip it"),
-        recovery=recovery)
+        recovery=recovery, lighthouse_hosts=hosts)

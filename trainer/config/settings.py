@@ -390,6 +390,8 @@ ELASTIC_WORLD_ENV = "TRAINER_ELASTIC_WORLD"
 # is on when it is set), the largest world (hosts x processes) whose micro-batches the run keeps at every size, this
 # host's name in the quorum and the address other hosts reach it at.
 LIGHTHOUSE_ENV = "TRAINER_LIGHTHOUSE"
+# Under LIGHTHOUSE_HOSTS of two hosts or more: every lighthouse's address, in order (trainer.engine.lighthouses).
+LIGHTHOUSES_ENV = "TRAINER_LIGHTHOUSES"
 # compose.yaml's DATA_DIR (the host folder it mounts at TRAIN_DATA_DIR): a data error names what the user set.
 DATA_MOUNT_ENV = "COMPOSE_DATA_MOUNT"
 INPLACE_WORLD_ENV = "TRAINER_INPLACE_WORLD"

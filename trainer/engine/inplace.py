@@ -67,6 +67,7 @@ from trainer.config.settings import (INPLACE_JOB_ENV, INPLACE_WORLD_ENV, LIGHTHO
 from trainer.core.errors import Fenced, UsageError
 from trainer.core.files import atomic_file
 from trainer.data.sampling import shares_of
+from trainer.engine import lighthouses
 from trainer.parallel import bootstrap, collectives
 from trainer.parallel.context import DistContext, collective_failure
 
@@ -145,6 +146,14 @@ class InPlace:
                      " (torchft's NCCL, in a child process of each worker; in place over NCCL had not run on a GPU "
                      "when this was written: `bash bench/gpu.sh quick` measures it)" if self.device.type == "cuda" else "")
         address = env.get(REPLICA_ADDR_ENV, "").strip() or "127.0.0.1"
+        # LIGHTHOUSE_HOSTS of several: the host's first process reaches them through a relay of its own, which moves
+        # to another when the one in use is lost (trainer.engine.lighthouses); its ManagerServer alone asks them.
+        self.lighthouses = lighthouses.addresses(env)
+        self.relay = lighthouses.Relay(self.lighthouses, self.directory) \
+            if len(self.lighthouses) > 1 and ctx.topology.local_rank == 0 else None
+        self.lease: lighthouses.Lease | None = None
+        if len(self.lighthouses) > 1:
+            self.lighthouse = " or ".join(map(lighthouses.shown, self.lighthouses))
         try:
             self.manager = Manager(
                 pg=self.group, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
@@ -152,7 +161,8 @@ class InPlace:
                 timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=10),
                 rank=ctx.topology.local_rank, world_size=ctx.topology.local_world_size,
                 store_addr=ctx.topology.master_addr, store_port=ctx.topology.master_port,
-                lighthouse_addr=self.lighthouse, replica_id=env.get(REPLICA_ENV, "").strip() or None,
+                lighthouse_addr=self.relay.url if self.relay is not None else self.lighthouse,
+                replica_id=env.get(REPLICA_ENV, "").strip() or None,
                 hostname=address, checkpoint_transport=self.transport,
                 # A lighthouse that goes away and comes back within the quorum's timeout is asked again (torchft's
                 # Rust side retries: without, the quorum waited out its whole timeout, then the workers restarted).
@@ -167,9 +177,13 @@ class InPlace:
                                ) from None
         # Each quorum's id, as torchft's Manager uses it (the group's generation, its store prefix), is the job's
         # generation for it (JobGenerations): only growing, across restarts of the lighthouse too.
-        self.generations = JobGenerations(self.manager._client, self.directory, timeout, self._stale)
+        self.generations = JobGenerations(self.manager._client, self.directory, timeout, self._stale,
+                                          lambda member: lighthouses.on_a_lost_lighthouse_host(member,
+                                                                                              self.lighthouses))
         self.manager._client = self.generations
         self._asking: float | None = None  # when this host's quorum call began (None: not in one)
+        if self.relay is not None:
+            self.lease = lighthouses.Lease(self.relay, self._holds_lease)
         self._waiting_said: float | None = None  # when it said that it waits for the lighthouse
 
     def agree(self, mine: dict[str, Any], job_settings: Callable[[dict], dict], label: Callable[[str], str]) -> None:
@@ -239,7 +253,8 @@ class InPlace:
                 watch.cancel()
         if self._waiting_said is not None:
             log.info("in place: the lighthouse at %s answers again: this host rejoined it after %.1f s, its processes "
-                     "as they were", self.lighthouse, time.perf_counter() - self._waiting_said)
+                     "as they were", lighthouses.shown(self.relay.current) if self.relay is not None else
+                     self.lighthouse, time.perf_counter() - self._waiting_said)
             self._waiting_said = None
         replicas, replica = self.manager.num_participants(), self.manager.participating_rank()
         # The quorum's generation, whether or not its group formed: one whose rendezvous failed (a host of it lost
@@ -274,12 +289,25 @@ class InPlace:
 
         where = urlsplit(self.lighthouse)
         try:
-            socket.create_connection((where.hostname, where.port or 80), timeout=1).close()
+            if self.relay is not None:  # several: the one in use (the relay says when it moves to another)
+                if not self.relay.answers():
+                    raise OSError(0, f"the one in use, {lighthouses.shown(self.relay.current)}, does not answer")
+            else:
+                socket.create_connection((where.hostname, where.port or 80), timeout=1).close()
         except OSError as err:
             self._waiting_said = time.perf_counter()
             log.warning("in place: waiting for the lighthouse at %s (%s): this host keeps its processes and rejoins it "
                         "when it answers again (up to --collective-timeout)", self.lighthouse,
                         err.strerror or type(err).__name__)
+
+    def _holds_lease(self) -> bool:
+        """Whether this host renews the job's lease (lighthouses.Lease): it is the first of a generation whose group
+        formed, and its lighthouse answers it (a host cut off from it renews nothing: the others, past the lease,
+        may go on with another)."""
+        quorum = self.quorum
+        if quorum is None or quorum[1] != 0 or self.group.generation != quorum[0]:
+            return False
+        return self.relay is not None and self.relay.answers()
 
     def _stale(self, generation: int) -> None:
         """A quorum's answer (torchft's quorum thread, before the group forms): Fenced if a generation newer than
@@ -450,6 +478,8 @@ class InPlace:
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
+        if self.lease is not None:
+            self.lease.stop()
         for end in (lambda: self.manager.shutdown(wait=False), self.group.shutdown):  # the NCCL group's child too
             try:
                 end()
@@ -525,8 +555,9 @@ class JobGenerations:
     heartbeats are not back yet): the host asks again, for up to REJOIN_S, while hosts of its last quorum are
     missing, so that the hosts rejoin it together, no one behind the other (healed, or fenced)."""
 
-    def __init__(self, client, directory: Path, timeout: timedelta, stale: Callable[[int], None]):
-        self._client, self.directory, self.timeout, self.stale = client, directory, timeout, stale
+    def __init__(self, client, directory: Path, timeout: timedelta, stale: Callable[[int], None],
+                 lost: Callable[[str], bool] = lambda member: False):
+        self._client, self.directory, self.timeout, self.stale, self.lost = client, directory, timeout, stale, lost
         self.last: tuple[int, tuple[str, ...]] | None = None  # the last quorum's (id, members), as torchft said them
         self.generation: int | None = None  # the job's generation of that quorum
 
@@ -554,7 +585,8 @@ class JobGenerations:
         number, members = self.last
         if quorum.quorum_id > number or (quorum.quorum_id == number and tuple(quorum.replica_ids) == members):
             return False
-        return not set(members) <= set(quorum.replica_ids)
+        # Not waited for: a host of LIGHTHOUSE_HOSTS whose lighthouse is lost with it (another lighthouse took over).
+        return any(not self.lost(member) for member in set(members) - set(quorum.replica_ids))
 
     def _agree(self, quorum) -> int:
         import hashlib
