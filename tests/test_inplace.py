@@ -1226,6 +1226,33 @@ def test_a_lighthouse_that_cannot_be_reached_is_one_line_naming_it_and_exit_2_be
     assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("seen-*"))
 
 
+@pytest.mark.slow
+def test_a_lighthouse_that_answered_this_job_before_and_cannot_be_reached_now_is_exit_1_not_a_settings_mistake(
+        hosts, tmp_path, launches):
+    """A host started again (a worker pod rescheduled) while the job's lighthouse is down: its checkpoint directory
+    holds this job's claim and generations (as the job's first run left them, made here with the store's own
+    functions), so what is missing is the infrastructure, and a restart policy may retry: exit 1, one line."""
+    from trainer.checkpoint.store import claim, next_generation
+    from trainer.cluster.lighthouse import identity
+
+    port = free_port()
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    claim(directory, job=identity(MASTER_ADDR, port)).close()
+    next_generation(directory)
+    args = ("--model", "cnn", "--synthetic-size", "64", "--checkpoint-dir", str(directory), "--log-dir",
+            str(tmp_path / "runs"))
+    alone = Launch(args, tmp_path, inplace_env(port, hosts[1], RDZV_TIMEOUT="4"), name="hostB", prefix=hosts[1].prefix)
+    launches.append(alone)
+    assert alone.wait(60) == 1, alone.output()
+    errors = [line for line in alone.output().splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: in place: the lighthouse at http://{MASTER_ADDR}:{port} cannot be reached (Connection "
+                      f"refused; waited RDZV_TIMEOUT, 4 s), and this job trained in {directory} before: its host is "
+                      "down or cut off, not a mistake in the settings (start it again, or mend the network between "
+                      "the hosts; this launcher exits 1, which a restart policy retries)"], alone.output()
+    assert not list(directory.glob("step-*")) and not (tmp_path / "runs").exists()
+
+
 # Accepts every connection and never says a word (holds them open): a service that waits for its client to speak.
 SILENT_LISTENER = ("import socket, sys\nserver = socket.create_server((sys.argv[1], int(sys.argv[2])))\nheld = []\n"
                    "while True:\n    held.append(server.accept())\n")

@@ -85,6 +85,17 @@ def _claim_for_job(lock: IO[str], directory: Path, job: str) -> IO[str]:
     raise _in_use(lock, directory)
 
 
+def trained_here(directory: Path, job: str) -> bool:
+    """Whether this in-place job (its identity) took a generation in this directory before: its lighthouse answered a
+    quorum there. Read before claim(), whose first holder clears the generations that dead processes left."""
+    try:
+        holder = (directory / LOCK_NAME).read_text()
+    except OSError:
+        return False
+    return holder.startswith(f"{JOB_HOLDER}{job},") and \
+        any((directory / name).is_file() for name in (GENERATION_COUNTER, GENERATION_FILE))
+
+
 def clear_leftovers(directory: Path) -> None:
     """The directory taken while no other process of any job holds it: the temp files of writers killed mid-write
     and what in-place jobs leave (their generations' folders and newest number, the settings of the job that held

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from trainer.checkpoint.claim import Ended, check_ended, claim
+from trainer.checkpoint.claim import Ended, check_ended, claim, trained_here
 from trainer.cluster import lighthouse
 from trainer.cluster.launch import SCRIPT_ENV, Launch, build_command, per_host_env, recovery_unused
 from trainer.cluster.topology import Topology
@@ -137,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Ended as ended:
                 print(ended, file=sys.stderr, flush=True)
                 return 0
+            except LighthouseGone as gone:
+                print(gone, file=sys.stderr, flush=True)
+                return 1
     program = [*launch.program.target, *launch.program.args]
     if launch.per_host is not None:
         shown = shlex.join(program[:2] if program[0] == "-m" else program[:1])
@@ -155,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen | None:
     """The lighthouse (beside this launcher, on the MASTER_ADDR host, unless one answers there already), then the
     wait for it; the workers' environment (the agent passes this process's on). A lighthouse that never answers, or
-    something else that answers in its place, is one line and exit 2 (UsageError)."""
+    something else that answers in its place, is one line and exit 2 (UsageError); one that answered this job before
+    (the built-in loop's checkpoint directory says so) is one line and exit 1 (LighthouseGone)."""
     job, recovery = launch.job, launch.recovery
     host, port = job.master_addr, job.master_port
     # LIGHTHOUSE_HOSTS: each runs one beside its launcher; the job uses the first that answers (the workers move to
@@ -164,13 +168,14 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
     bound = launch.settings.rdzv_timeout
     started = None
     identity = lighthouse.identity(host, port)
-    ended = None
+    ended, trained = None, False
     if launch.cfg is not None:  # the built-in loop's directory is known here: another job's is refused now
         directory, settings = Path(launch.cfg.checkpoint_dir), launch.cfg.as_dict()
         # Started again as the job ended (or after): the directory says so, before this host takes it for a new job
         # and while it waits for a lighthouse that will not come back (up to RDZV_TIMEOUT).
         ended = lambda: check_ended(directory, identity, settings)  # noqa: E731 (a poll, not a definition)
         ended()
+        trained = trained_here(directory, identity)  # before the claim, which may clear what dead processes left
         hold_for_the_job(directory, identity)
     addr_var, port_var = job.variables("master_addr")[0], job.variables("master_port")[0]
     try:
@@ -185,6 +190,15 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
         raise UsageError(addr_var, f"what answers at {lighthouse.url(host, port)} is not torchft's lighthouse ({seen})",
                          f"another service holds {port_var} on the MASTER_ADDR host; choose another {port_var}, the "
                          "same on every host, or stop it") from None
+    if why is not None and trained:
+        # This job's lighthouse answered once (it took a generation in the directory): what went is the
+        # infrastructure, not a setting (a worker pod started again while the lighthouse's pod cannot be scheduled).
+        # Exit 1, which restart policies retry (Compose's on-failure, a Job's backoff); exit 2 stays the settings'.
+        where = " or ".join(lighthouse.url(each, port) for each in hosts)
+        raise LighthouseGone(f"error: in place: the lighthouse at {where} cannot be reached ({why}; waited "
+                             f"RDZV_TIMEOUT, {bound} s), and this job trained in {directory} before: its host is down "
+                             "or cut off, not a mistake in the settings (start it again, or mend the network between "
+                             "the hosts; this launcher exits 1, which a restart policy retries)")
     if why is not None and len(hosts) > 1:
         raise UsageError("LIGHTHOUSE_HOSTS", f"no lighthouse at {' or '.join(lighthouse.url(h, port) for h in hosts)} "
                          f"can be reached ({why}; waited RDZV_TIMEOUT, {bound} s)", "start trainer-launch on a host of "
@@ -204,6 +218,10 @@ def start_in_place(launch: Launch, env: Mapping[str, str]) -> subprocess.Popen |
                        REPLICA_ENV: recovery.replica, REPLICA_ADDR_ENV: recovery.local.master_addr,
                        INPLACE_JOB_ENV: identity})
     return started
+
+
+class LighthouseGone(Exception):
+    """The job's lighthouse, which answered before, cannot be reached: an infrastructure fault (exit 1)."""
 
 
 _HELD: list = []  # the checkpoint directory's lock, held by this launcher while it runs (its workers come and go)
