@@ -233,6 +233,42 @@ def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: li
         assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
 
 
+@pytest.mark.slow
+def test_a_host_lost_in_the_middle_of_the_sum_over_the_hosts_applies_nothing_of_that_step(hosts, tmp_path, launches):
+    """The sum over the hosts overlaps the backward, bucket by bucket (inplace.GradientSum): a host killed after its
+    first bucket's sum was launched and before the next one's leaves its peer with a step of which some buckets were
+    summed: that step is abandoned whole, nothing of it applied, and the job ends with the weights of a fault-free
+    run. A hidden width of 90000 makes two buckets: the second layer's gradients (the backward's first, 1 MiB and more:
+    the first bucket's cap) and the first layer's."""
+    port = free_port()
+    args = ("--hidden", "90000")
+    first = host(tmp_path, port, "hostA", hosts[0], *args, "--die-in-the-sum-at", "80")
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *args, "--die-in-the-sum-at", "80")
+    launches.append(second)
+    wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    pids = {worker_pid(first): first, worker_pid(second): second}
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
+    pid, step, launched, buckets = map(int, (tmp_path / "died").read_text().split())
+    assert (launched, buckets) == (1, 2)  # the first bucket's sum was under way when the host died, not the second's
+    assert pid in pids, "the host died before both were seen training"
+    dead = pids[pid]
+    alive = second if dead is first else first
+    assert re.search(r"^restart 1 of 10: .* was killed by SIGKILL", dead.output(), re.M), dead.output()[-3000:]
+    output = alive.output()
+    assert re.search(rf"in place: step {step} abandoned after ", output), output[-4000:]
+    assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    steps = SAMPLES // 2 // SHARE_BATCH
+    survivor = next(p for p, launch in pids.items() if launch is alive)
+    check_the_order(tmp_path, survivor, steps)
+    trained = newest_checkpoint(tmp_path / "checkpoints")
+    assert trained["global_step"] == steps
+    assert_trained_as_without_faults(trained, tmp_path, launches, *args)
+
+
 # The reference recipe's techniques that reach across the hosts under in place (docs/recipes.md): the clip after the
 # sum over the hosts, mixup/cutmix keyed by the share's rank in the largest world, the EMA's decay for that world,
 # and the per-sample augmentations keyed by the sample. The built-in loop, BatchNorm-free ("cnn"), so that every
