@@ -19,7 +19,7 @@ running statistics and num_batches_tracked are in the model's state as buffers. 
 process of the job to train step S or later at world size 2 (<out>/died, made exclusively, says which) SIGKILLs itself
 in the backward, between the second layer's gradients and the first's: in the middle of the overlapped sum over the
 hosts. <out>/died holds its pid, the step, how many of the sum's buckets it had launched, and how
-many there are.
+many there are (-1 -1: a trainer that does not overlap it).
 """
 
 import argparse
@@ -124,8 +124,9 @@ def _die_in_the_sum(run, out: str, step: int) -> None:
         died = os.open(f"{out}/died", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:  # a host died here already (this one, started again, or the other)
         return
-    summed = run._driver.replicas.summed  # the test reads what the overlap had done when the host died
-    os.write(died, f"{os.getpid()} {run.step_count + 1} {summed.launched} {len(summed.buckets)}\n".encode())
+    summed = getattr(run._driver.replicas, "summed", None)  # the test reads what the overlap had done by then
+    launched, buckets = (summed.launched, len(summed.buckets)) if summed is not None else (-1, -1)
+    os.write(died, f"{os.getpid()} {run.step_count + 1} {launched} {buckets}\n".encode())
     os.close(died)
     os.kill(os.getpid(), signal.SIGKILL)
 

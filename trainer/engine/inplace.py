@@ -14,9 +14,13 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
   shares        the ranks of the job's largest world this rank trains now (trainer.data.sampling): a host away, its
                 share of the global batch is trained by those here, in micro-batches of the same size, so every step
                 trains the same samples in the same micro-batches whatever the membership.
-  commit()      the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
+  the sum       the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
                 over its processes: run.wrap() wraps as on the restart path, so checkpoints of either path fit the
-                other), then torchft's should_commit: the step counts only if every part succeeded. A model's
+                other), overlapped with the backward of the step's last micro-batch (GradientSum): fixed buckets
+                made from the model, each launched on torchft's group as soon as its gradients are final (the
+                host's DDP hands over each of its averaged buckets), strictly in bucket order on every host.
+  commit()      waits for every bucket's sum, then torchft's should_commit: the step counts only if every part
+                succeeded on every host (a bucket summed while the next one failed is discarded with the rest). A model's
                 buffers (BatchNorm's running statistics) follow share 0's chain, as DDP keeps them (BufferChain).
                 Otherwise it is abandoned, its gradients discarded, and taken again at the new membership.
 
@@ -34,8 +38,10 @@ healed after a generation it never saw is fenced too. Either way it leaves with 
 Why not torchft's own DistributedDataParallel: with torch 2.14 and gloo its comm hook fails an assertion on the
 first lost peer (ManagedWork.wait() reports the gloo error and leaves the future unset), and it relies on
 find_unused_parameters=True to keep torch's reducer from rebuilding its buckets, whose layout would then differ
-between a host that just joined and the others (their sums would pair different gradients). One sum of the
-gradients in the parameters' own order after the backward has neither problem (docs/benchmarks.md has its cost).
+between a host that just joined and the others (their sums would pair different gradients). GradientSum has neither
+problem: torchft's managed allreduce (whose errors go to the Manager, and should_commit) on buckets laid out from the
+model alone, never from the order gradients arrived in; the host's DDP only says when its (rebuilt, whatever their
+layout) buckets are averaged (docs/benchmarks.md has the cost).
 Whether an installed torchft's wrapper still crashes: `python -m bench.torchft_ddp_crash` (one line, either way).
 """
 
