@@ -1459,3 +1459,20 @@ def test_the_sum_over_the_hosts_is_ddps_to_the_bit_at_two_hosts_and_rounds_other
     differing, most = found[3]["first_sum"]
     assert differing > 0 and most < 1e-7, found[3]  # a last bit of about half the elements
     assert found[3]["after_a_loss"][0] > 0 and found[3]["weights"][0] > 0, found[3]
+
+
+def test_a_host_of_two_processes_hands_its_ddp_averaged_buckets_to_the_sum_over_the_hosts_during_the_backward():
+    """A host of several processes: its own DDP averages each bucket over them (DDP's default all-reduce, or
+    shm_allreduce's, chained in GradientSum's comm hook) and hands it over as it is done, so that the sum over the
+    hosts overlaps the backward (tests/user_code/host_buckets.py, real gloo processes, a host alone: its sum is its
+    own). Every bucket of the sum is launched during the backward, and the gradients come out DDP's to the bit."""
+    import json
+
+    port = free_port()
+    done = subprocess.run([sys.executable, str(USER_CODE / "host_buckets.py"), str(port)], capture_output=True,
+                          text=True, timeout=RUN_BOUND_S, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [f["chained"] for f in found] == ["default", "shm_allreduce"], done.stdout
+    for f in found:
+        assert f["steps"] == [[2, 2, 0]] * 3, f
