@@ -1476,3 +1476,35 @@ def test_a_host_of_two_processes_hands_its_ddp_averaged_buckets_to_the_sum_over_
     assert [f["chained"] for f in found] == ["default", "shm_allreduce"], done.stdout
     for f in found:
         assert f["steps"] == [[2, 2, 0]] * 3, f
+
+
+def test_without_a_ddp_of_its_own_the_sum_takes_each_gradient_as_the_last_micro_batch_accumulates_it():
+    """A model not wrapped in DDP (a strategy that does not replicate): GradientSum's post-accumulate-grad hooks send
+    nothing during the micro-batches that accumulate (not armed), and every bucket during the last one's backward;
+    the gradients it puts back are the accumulated ones (a host alone: its sum is its own)."""
+    from trainer.engine.inplace import GradientSum
+
+    class OneHost:  # torchft's managed allreduce over a group of one host: the bucket as it is, done at once
+        launched = 0
+
+        def allreduce(self, tensor, reduce_op=None):
+            OneHost.launched += 1
+            return type("Summed", (), {"wait": lambda self: True})()
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 90000), torch.nn.ReLU(), torch.nn.Linear(90000, 3))
+    summed = GradientSum(list(net.parameters()), OneHost())
+    summed.hook_parameters()
+    assert len(summed.buckets) == 2
+    for accum in (1, 3):
+        net.zero_grad()
+        for index in range(accum):
+            summed.armed = index == accum - 1
+            before = OneHost.launched
+            torch.nn.functional.cross_entropy(net(torch.randn(16, 8)), torch.randint(0, 3, (16,))).backward()
+            assert OneHost.launched - before == (2 if summed.armed else 0)
+        accumulated = [p.grad.clone() for p in net.parameters()]
+        summed.finish()
+        summed.apply(1.0)
+        summed.new_step()
+        assert all(torch.equal(a, p.grad) for a, p in zip(accumulated, net.parameters()))

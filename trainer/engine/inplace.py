@@ -905,8 +905,12 @@ class GradientSum:
 
     def hook_parameters(self) -> None:
         """Readiness from each parameter's post-accumulate-grad hook: a host of one process (no DDP of its own)."""
+        def accumulated(p) -> None:  # a post-accumulate-grad hook returns nothing
+            if self.armed:
+                self.ready([p], [p.grad])
+
         for p in self.params:
-            self.hooks.append(p.register_post_accumulate_grad_hook(lambda p: self.armed and self.ready([p], [p.grad])))
+            self.hooks.append(p.register_post_accumulate_grad_hook(accumulated))
 
     def hook_ddp(self, ddp, chained: tuple | None) -> None:
         """Readiness from the host's DistributedDataParallel: its comm hook does what the default one does (or what
