@@ -51,6 +51,8 @@ WORLD = re.compile(r"training .* world size (\d+)")
 ABANDONED = re.compile(r"in place: step (\d+) abandoned after ([\d.]+) s")
 REPLICA_GROUP = re.compile(r"in place: the replica group across the hosts is (\S+)")
 END_GRACE_S = 60.0  # the hosts still running when the first ends: this long to end on their own
+# In place, the first host's line of where a step's time went (inplace.StepTiming), every 100 steps and at the end.
+SPLIT = re.compile(r"in place: per step over (\d+) steps \(ms\): (.*), wall ([\d.]+); (\d+) of (\d+) buckets")
 GENERATION = re.compile(r"in place: generation (\d+), world size (\d+) .* the quorum took ([\d.]+) s \(agreement "
                         r"([\d.]+) s, new group ([\d.]+) s, state ([\d.]+) s")
 
@@ -173,6 +175,8 @@ def one_run(mode: str, args, faults: bool) -> dict:
     group = next((m.group(1) for _, line in first.lines if (m := REPLICA_GROUP.search(line))), None)
     if group is not None:
         result["replica_group"] = group
+    if mode == "inplace":
+        result["step_split_ms"] = step_split(first.lines)
     if hung or summary.get("global_step") != args.steps:
         result["tail"] = [line for _, line in first.lines[-15:]]
     if args.keep:  # each host's lines with the bench's clock, beside the run's checkpoints and logs
@@ -182,6 +186,24 @@ def one_run(mode: str, args, faults: bool) -> dict:
     else:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def step_split(lines: list[tuple[float, str]]) -> dict:
+    """The mean of a step's parts (ms) over the in-place host's lines of them, weighted by their steps; with how many
+    of the sum's buckets were launched during the backward (the rest at the commit)."""
+    total: dict[str, float] = {}
+    steps = early = buckets = 0
+    for _, line in lines:
+        found = SPLIT.search(line)
+        if not found:
+            continue
+        count = int(found.group(1))
+        steps, early, buckets = steps + count, early + int(found.group(4)), buckets + int(found.group(5))
+        for part in [*found.group(2).split(", "), f"wall {found.group(3)}"]:
+            name, value = part.rsplit(" ", 1)
+            total[name] = total.get(name, 0.0) + float(value) * count
+    split = {name: round(value / steps, 1) for name, value in total.items()} if steps else {}
+    return {**split, "steps": steps, "buckets_launched_in_the_backward": f"{early} of {buckets}"} if steps else {}
 
 
 def split_faults(lines: list[tuple[float, str]], kills: list[float], returns: list[float], began: float) -> list[dict]:

@@ -233,6 +233,42 @@ def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: li
         assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
 
 
+@pytest.mark.slow
+def test_a_host_lost_in_the_middle_of_the_sum_over_the_hosts_applies_nothing_of_that_step(hosts, tmp_path, launches):
+    """The sum over the hosts overlaps the backward, bucket by bucket (inplace.GradientSum): a host killed after its
+    first bucket's sum was launched and before the next one's leaves its peer with a step of which some buckets were
+    summed: that step is abandoned whole, nothing of it applied, and the job ends with the weights of a fault-free
+    run. A hidden width of 90000 makes two buckets: the second layer's gradients (the backward's first, 1 MiB and more:
+    the first bucket's cap) and the first layer's."""
+    port = free_port()
+    args = ("--hidden", "90000")
+    first = host(tmp_path, port, "hostA", hosts[0], *args, "--die-in-the-sum-at", "80")
+    launches.append(first)
+    time.sleep(2)
+    second = host(tmp_path, port, "hostB", hosts[1], *args, "--die-in-the-sum-at", "80")
+    launches.append(second)
+    wait_until(lambda: the_writer(first, second), RUN_BOUND_S,
+               f"both hosts training\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    pids = {worker_pid(first): first, worker_pid(second): second}
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert second.wait(RUN_BOUND_S) == 0, second.output()[-4000:]
+    pid, step, launched, buckets = map(int, (tmp_path / "died").read_text().split())
+    assert (launched, buckets) == (1, 2)  # the first bucket's sum was under way when the host died, not the second's
+    assert pid in pids, "the host died before both were seen training"
+    dead = pids[pid]
+    alive = second if dead is first else first
+    assert re.search(r"^restart 1 of 10: .* was killed by SIGKILL", dead.output(), re.M), dead.output()[-3000:]
+    output = alive.output()
+    assert re.search(rf"in place: step {step} abandoned after ", output), output[-4000:]
+    assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
+    steps = SAMPLES // 2 // SHARE_BATCH
+    survivor = next(p for p, launch in pids.items() if launch is alive)
+    check_the_order(tmp_path, survivor, steps)
+    trained = newest_checkpoint(tmp_path / "checkpoints")
+    assert trained["global_step"] == steps
+    assert_trained_as_without_faults(trained, tmp_path, launches, *args)
+
+
 # The reference recipe's techniques that reach across the hosts under in place (docs/recipes.md): the clip after the
 # sum over the hosts, mixup/cutmix keyed by the share's rank in the largest world, the EMA's decay for that world,
 # and the per-sample augmentations keyed by the sample. The built-in loop, BatchNorm-free ("cnn"), so that every
@@ -1698,3 +1734,52 @@ def test_hosts_cut_apart_with_a_lighthouse_on_each_side_never_train_apart(hosts,
     check_the_order(tmp_path, kept, steps, samples=samples)  # each step trained once, in its exact order
     assert newest_step(tmp_path / "checkpoints") == steps
     assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
+def test_a_host_of_two_processes_hands_its_ddp_averaged_buckets_to_the_sum_over_the_hosts_during_the_backward():
+    """A host of several processes: its own DDP averages each bucket over them (DDP's default all-reduce, or
+    shm_allreduce's, chained in GradientSum's comm hook) and hands it over as it is done, so that the sum over the
+    hosts overlaps the backward (tests/user_code/host_buckets.py, real gloo processes, a host alone: its sum is its
+    own). Every bucket of the sum is launched during the backward, and the gradients come out DDP's to the bit."""
+    import json
+
+    port = free_port()
+    done = subprocess.run([sys.executable, str(USER_CODE / "host_buckets.py"), str(port)], capture_output=True,
+                          text=True, timeout=RUN_BOUND_S, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [f["chained"] for f in found] == ["default", "shm_allreduce"], done.stdout
+    for f in found:
+        assert f["steps"] == [[2, 2, 0]] * 3, f
+
+
+def test_without_a_ddp_of_its_own_the_sum_takes_each_gradient_as_the_last_micro_batch_accumulates_it():
+    """A model not wrapped in DDP (a strategy that does not replicate): GradientSum's post-accumulate-grad hooks send
+    nothing during the micro-batches that accumulate (not armed), and every bucket during the last one's backward;
+    the gradients it puts back are the accumulated ones (a host alone: its sum is its own)."""
+    from trainer.engine.inplace import GradientSum
+
+    class OneHost:  # torchft's managed allreduce over a group of one host: the bucket as it is, done at once
+        launched = 0
+
+        def allreduce(self, tensor, reduce_op=None):
+            OneHost.launched += 1
+            return type("Summed", (), {"wait": lambda self: True})()
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 90000), torch.nn.ReLU(), torch.nn.Linear(90000, 3))
+    summed = GradientSum(list(net.parameters()), OneHost())
+    summed.hook_parameters()
+    assert len(summed.buckets) == 2
+    for accum in (1, 3):
+        net.zero_grad()
+        for index in range(accum):
+            summed.armed = index == accum - 1
+            before = OneHost.launched
+            torch.nn.functional.cross_entropy(net(torch.randn(16, 8)), torch.randint(0, 3, (16,))).backward()
+            assert OneHost.launched - before == (2 if summed.armed else 0)
+        accumulated = [p.grad.clone() for p in net.parameters()]
+        summed.finish()
+        summed.apply(1.0)
+        summed.new_step()
+        assert all(torch.equal(a, p.grad) for a, p in zip(accumulated, net.parameters()))

@@ -8,18 +8,23 @@ processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
                    [--epochs E] [--validate S] [--ballast-mb M] [--start-when FILE] [--hidden H]
-                   [--checkpoint-every N] [--batchnorm]
+                   [--checkpoint-every N] [--batchnorm] [--die-in-the-sum-at S]
 
 --validate S: after each epoch, "validating" on stderr, then a validation that takes about S seconds (this host's
 own: under in-place recovery every host validates the whole set). --ballast-mb M: M MiB more in every checkpoint
 (and in the state a returning host gets), so that a checkpoint takes a while to write. --start-when FILE: between
 run.resume() and the first step, "starting at step N" on stderr, then a wait until FILE exists (a start as slow as a
 model's build or compile can be, as long as a test needs it). --batchnorm: a BatchNorm1d after the first layer, whose
-running statistics and num_batches_tracked are in the model's state as buffers.
+running statistics and num_batches_tracked are in the model's state as buffers. --die-in-the-sum-at S: the first
+process of the job to train step S or later at world size 2 (<out>/died, made exclusively, says which) SIGKILLs itself
+in the backward, between the second layer's gradients and the first's: in the middle of the overlapped sum over the
+hosts. <out>/died holds its pid, the step, how many of the sum's buckets it had launched, and how
+many there are (-1 -1: a trainer that does not overlap it).
 """
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -45,6 +50,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: another one)")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
+    parser.add_argument("--die-in-the-sum-at", type=int, default=0, help="a host lost in the middle of a step's sum")
     args = parser.parse_args()
     out = args.out
 
@@ -60,6 +66,12 @@ def main() -> None:
         model = run.wrap(torch.nn.Sequential(torch.nn.Linear(8, args.hidden), *norm, torch.nn.ReLU(),
                                              torch.nn.Linear(args.hidden, 3)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if args.die_in_the_sum_at:  # the gradient of the first layer's output: the second layer's are accumulated
+            def die_in_its_backward(_module, _inputs, output) -> None:
+                if output.requires_grad:
+                    output.register_hook(lambda grad: _die_in_the_sum(run, out, args.die_in_the_sum_at))
+
+            getattr(model, "module", model)[0].register_forward_hook(die_in_its_backward)
         batch = run.settings.batch_size
         loader = DataLoader(dataset, batch_size=batch, sampler=run.sampler(dataset, batch), drop_last=True,
                             num_workers=args.workers, persistent_workers=args.workers > 0,
@@ -100,6 +112,23 @@ def main() -> None:
                     slow = ((x, y) for x, y, _ in _slowly(val_loader, args.validate / len(val_loader)))
                     metrics = api.evaluate(run, model, slow, count=len(val_loader))
                     print(f"validated: {metrics}", file=sys.stderr, flush=True)
+
+
+def _die_in_the_sum(run, out: str, step: int) -> None:
+    """A hook on the gradient of the first layer's output, which the backward computes after the second layer's
+    parameters' gradients were accumulated (torch's autograd runs the accumulation first) and before the first
+    layer's: the second layer's bucket of the sum is launched, the first layer's not yet."""
+    if run.step_count + 1 < step or run.world_size != 2:
+        return
+    try:
+        died = os.open(f"{out}/died", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:  # a host died here already (this one, started again, or the other)
+        return
+    summed = getattr(run._driver.replicas, "summed", None)  # the test reads what the overlap had done by then
+    launched, buckets = (summed.launched, len(summed.buckets)) if summed is not None else (-1, -1)
+    os.write(died, f"{os.getpid()} {run.step_count + 1} {launched} {buckets}\n".encode())
+    os.close(died)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Ballast(torch.nn.Module):

@@ -4,8 +4,8 @@
 
 WORLD processes train inplace_loop.py's model (Linear-ReLU-Linear) on the same batches twice, with SGD and momentum:
 once under DistributedDataParallel (each rank's gradient scaled by 1/WORLD, then summed by gloo), once as
-trainer.engine.inplace.InPlace.commit sums, each process being a host of one process (the flat gradients in the
-parameters' order with one more element, summed by gloo, then scaled by 1/WORLD); and, for the gradients of the first
+trainer.engine.inplace.GradientSum sums, each process being a host of one process (the flat gradients of its one
+bucket, in reverse order, summed by gloo, then scaled by 1/WORLD); and, for the gradients of the first
 step, as the hosts sum after a loss: process 0 trains its share and the last one's through one .grad, the last
 process (the lost host) adds zeros. Prints one JSON line: how many elements of the first step's gradients differ from
 DDP's and by how much at most (fault-free, after a loss), and of the weights after STEPS steps.
@@ -36,9 +36,16 @@ def backward(net, step: int, share: int) -> None:
 
 
 def in_place_sum(grads: list, world: int) -> torch.Tensor:
-    flat = torch.cat([*(g.reshape(-1) for g in grads), torch.zeros(1)])  # InPlace.commit's flag element
+    # inplace.GradientSum's one bucket here (the model is far under its 1 MiB cap): the gradients in reverse order,
+    # summed, scaled; returned in the parameters' order.
+    flat = torch.cat([g.reshape(-1) for g in reversed(grads)])
     dist.all_reduce(flat)
-    return flat[:-1].mul_(1 / world)
+    flat.mul_(1 / world)
+    parts, offset = [], 0
+    for g in reversed(grads):
+        parts.append(flat[offset:offset + g.numel()])
+        offset += g.numel()
+    return torch.cat(parts[::-1])
 
 
 def differ(a: torch.Tensor, b: torch.Tensor) -> list:

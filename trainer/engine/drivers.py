@@ -90,6 +90,8 @@ class Replicated:
     def __init__(self, members: Members):
         self.members = members
 
+    comm_hook = None  # who registers DDP's comm hook instead of the strategy (Strategy.comm_hook)
+
     # ------------------------------------------------------------------ the steps
     def steps(self, batches: Iterable, source: Source) -> Iterator[Step]:
         """grad_accum micro-batches per step, each in the no-sync context but the last. With a length, an epoch's
@@ -275,6 +277,54 @@ class InPlace(Replicated):
         self.replicas = replicas
         self._committed: bool | None = None  # this step's gradients summed and committed; None: not yet asked
 
+    # ------------------------------------------------------------------ the overlapped sum (inplace.GradientSum)
+    def comm_hook(self, ddp, chained: tuple | None) -> None:
+        """A host of several processes: its DDP's comm hook averages each bucket over them (as its own hook, or
+        `chained`, would), then hands the averages to the sum over the hosts as they come."""
+        summed = self._made(ddp.module)
+        summed.hook_ddp(ddp, chained)
+
+    def forward(self, wrapped, position: Position, total_steps: int | None, settings: TrainConfig,
+                steps_per_epoch: int | None = None):
+        """A host of one process (no DDP): each parameter's gradient goes into its bucket as soon as the backward of
+        the step's last micro-batch accumulated it."""
+        if self.replicas.summed is None or not self.replicas.summed.matches(self._trained(wrapped)):
+            self._made(wrapped).hook_parameters()
+        return wrapped
+
+    @staticmethod
+    def _trained(model) -> list:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def _made(self, model) -> inplace.GradientSum:
+        if self.replicas.summed is not None:
+            self.replicas.summed.remove_hooks()
+        self.replicas.summed = inplace.GradientSum(self._trained(model), self.replicas.manager)
+        return self.replicas.summed
+
+    def _arming(self, no_sync: Callable[[bool], ContextManager]) -> Callable[[bool], ContextManager]:
+        """The strategy's no-sync context, which also tells the sum whether this micro-batch's backward makes the
+        gradients final (the step's last: the others accumulate, and a hook of theirs must not send anything)."""
+        def context(last: bool) -> ContextManager:
+            if self.replicas.summed is not None:
+                self.replicas.summed.armed = last
+            return no_sync(last)
+
+        return context
+
+    def forward_backward(self, strategy, forward, inputs, targets, loss_fn, autocast, backward, record):
+        """As Replicated's, timed for the step's line of costs (inplace.StepTiming)."""
+        import time
+
+        timing, began = self.replicas.timing, time.perf_counter()
+        with autocast():
+            loss = loss_fn(forward(inputs), targets)
+        middle = time.perf_counter()
+        backward(loss)
+        timing.add("forward", middle - began)
+        timing.add("backward", time.perf_counter() - middle)
+        return loss
+
     def steps(self, batches: Iterable, source: Source) -> Iterator[Step]:
         """Each step begins with the quorum; this rank's micro-batches are those of the shares it trains now
         (grad_accum per share, the last one synchronised with the host's other processes); an abandoned step is
@@ -309,8 +359,9 @@ class InPlace(Replicated):
             first = next(it, None)
             if first is None:
                 return
-            counted = Counted(first, it, accum * len(replicas.shares), source.no_sync if replicas.chain is None else
-                              replicas.chain.micro_batches(source.no_sync, replicas.shares, accum))
+            no_sync = self._arming(source.no_sync)
+            counted = Counted(first, it, accum * len(replicas.shares), no_sync if replicas.chain is None else
+                              replicas.chain.micro_batches(no_sync, replicas.shares, accum))
             self._committed = None
             step = Step(counted, accum, samples, source.position().batch // accum + 1 == per_epoch)
             yield step

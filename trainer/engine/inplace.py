@@ -15,9 +15,13 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
   shares        the ranks of the job's largest world this rank trains now (trainer.data.sampling): a host away, its
                 share of the global batch is trained by those here, in micro-batches of the same size, so every step
                 trains the same samples in the same micro-batches whatever the membership.
-  commit()      the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
+  the sum       the gradients summed over the hosts (after the host's own DistributedDataParallel has averaged them
                 over its processes: run.wrap() wraps as on the restart path, so checkpoints of either path fit the
-                other), then torchft's should_commit: the step counts only if every part succeeded. A model's
+                other), overlapped with the backward of the step's last micro-batch (GradientSum): fixed buckets
+                made from the model, each launched on torchft's group as soon as its gradients are final (the
+                host's DDP hands over each of its averaged buckets), strictly in bucket order on every host.
+  commit()      waits for every bucket's sum, then torchft's should_commit: the step counts only if every part
+                succeeded on every host (a bucket summed while the next one failed is discarded with the rest). A model's
                 buffers (BatchNorm's running statistics) follow share 0's chain, as DDP keeps them (BufferChain).
                 Otherwise it is abandoned, its gradients discarded, and taken again at the new membership.
 
@@ -35,8 +39,10 @@ healed after a generation it never saw is fenced too. Either way it leaves with 
 Why not torchft's own DistributedDataParallel: with torch 2.14 and gloo its comm hook fails an assertion on the
 first lost peer (ManagedWork.wait() reports the gloo error and leaves the future unset), and it relies on
 find_unused_parameters=True to keep torch's reducer from rebuilding its buckets, whose layout would then differ
-between a host that just joined and the others (their sums would pair different gradients). One sum of the
-gradients in the parameters' own order after the backward has neither problem (docs/benchmarks.md has its cost).
+between a host that just joined and the others (their sums would pair different gradients). GradientSum has neither
+problem: torchft's managed allreduce (whose errors go to the Manager, and should_commit) on buckets laid out from the
+model alone, never from the order gradients arrived in; the host's DDP only says when its (rebuilt, whatever their
+layout) buckets are averaged (docs/benchmarks.md has the cost).
 Whether an installed torchft's wrapper still crashes: `python -m bench.torchft_ddp_crash` (one line, either way).
 """
 
@@ -121,6 +127,10 @@ class InPlace:
         self.step_began = time.perf_counter()
         self._took_over = False
         self.chain: BufferChain | None = None  # the model's buffers, on share 0's chain (Run.wrap() sets it)
+        self.summed: GradientSum | None = None  # the gradients' buckets (the driver makes them at Run.wrap())
+        self._reloads_work = None  # this step's sum of the hosts' reloaded flags, in flight
+        self._reloads_flag = None
+        self.timing = StepTiming(ctx.is_local_main)
         timeout = timedelta(seconds=collective_timeout_s)
         # torchft's Rust side logs every quorum and commit at INFO, and its Python side a traceback for every error
         # it handles (a lost peer is one): this module's lines say what happened, once.
@@ -228,6 +238,7 @@ class InPlace:
         # Before asking for a quorum (a host that is in a newer generation is inside its quorum call, not here): a
         # newer generation on disk is one that was formed without this host.
         self.check_fence("after an abandoned step" if self.abandoned else "at a step's start")
+        self.timing.since_commit("optimizer")
         self.healed = False
         self.group.configured_s = self.transport.moved_s = 0.0
         began = time.perf_counter()
@@ -279,7 +290,23 @@ class InPlace:
         if step is not None:
             self.set_step(step)
             self.reloaded = True
+        self._reloads()  # launched now, waited for at the commit: off the step's critical path
+        self.timing.add("quorum", time.perf_counter() - began)
         return changed
+
+    def _reloads(self):
+        """The sum over the hosts of whether each began this step from the newest checkpoint: each read it on its
+        own, and one that read a newer one than another's would train from another state: such a step is abandoned,
+        and the next quorum heals every host to the furthest (torchft compares their steps). A tiny sum launched
+        right after the quorum (before any of the gradients', so that every host issues it first), waited at the
+        commit."""
+        if self._reloads_work is None:
+            import torch
+            from torch.distributed import ReduceOp
+
+            self._reloads_flag = torch.tensor([float(self.reloaded)], device=self.device)  # NCCL: on the GPU
+            self._reloads_work = self.manager.allreduce(self._reloads_flag, reduce_op=ReduceOp.SUM)
+        return self._reloads_work
 
     def _say_waiting(self) -> None:
         """The quorum is slow in coming (a timer's thread): if the lighthouse does not answer, say so, once."""
@@ -343,28 +370,30 @@ class InPlace:
         """Whether this host writes the job's checkpoints, scalars and summary: the first replica of the generation."""
         return self._took_over or (self.quorum is not None and self.quorum[1] == 0)
 
+    def summing(self, params: list) -> GradientSum:
+        """The step's GradientSum: the one made from the model at run.wrap() (its hooks report readiness during the
+        backward), or, for parameters other than its (no run.wrap(), parameters frozen since), one made for them now,
+        without hooks: it launches every bucket at commit(). Every host runs the same script: the same layout."""
+        if self.summed is None or not self.summed.matches(params):
+            if self.summed is not None:
+                self.summed.remove_hooks()
+            self.summed = GradientSum(params, self.manager)
+        return self.summed
+
     def commit(self, parameters) -> bool:
         """The step's gradients summed over the hosts, scaled to the mean over the largest world's ranks (each of
         which is a share some rank trained); True: step the optimizer, False: the step is abandoned."""
-        import torch
-        from torch.distributed import ReduceOp
-
+        began = time.perf_counter()
         params = [p for p in parameters if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        # One more element: how many hosts began this step from the newest checkpoint. Each read it on its own, and
-        # one that read a newer one than another's would train from another state: such a step is abandoned, and
-        # the next quorum heals every host to the furthest (torchft compares their steps).
-        reloaded = grads[0].new_full((1,), float(self.reloaded)) if grads else \
-            torch.tensor([float(self.reloaded)], device=self.device)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), reloaded])
+        summed = self.summing(params)
         # The host's own DistributedDataParallel has averaged over its processes: x processes / largest world.
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        reloads, flat = flat[-1].item(), flat[:-1]
+        summed.finish()
+        self._reloads().wait()
+        reloads, self._reloads_work = self._reloads_flag.item(), None
         self.reloaded = False
         if reloads and self.manager.num_participants() > 1:
             self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
                                                    "to the furthest of them first"))
-        flat.mul_(self.ctx.topology.local_world_size / self.largest)
         buffers = self.chain.of_share_0(self.manager, self.rank == 0, self.ctx.topology.local_rank) \
             if self.chain is not None else None
         try:
@@ -373,15 +402,11 @@ class InPlace:
             raise QuorumFailed(f"in place: step {self.manager.current_step() + 1} could not be committed "
                                f"({said(err)}); {MAX_ABANDONED} abandoned in a row end the "
                                "run (the hosts kept failing their sums: see their logs)") from None
+        finally:
+            self.timing.committed(time.perf_counter() - began, summed)
+        summed.new_step()
         if committed:
-            offset = 0
-            for p in params:
-                part = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(part)
-                elif part.any():  # unused here, used by a peer
-                    p.grad = part.clone()
+            summed.apply(self.ctx.topology.local_world_size / self.largest)
             if buffers is not None:
                 self.chain.take(buffers)
             self.trained = True
@@ -478,6 +503,7 @@ class InPlace:
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
+        self.timing.say()
         if self.lease is not None:
             self.lease.stop()
         for end in (lambda: self.manager.shutdown(wait=False), self.group.shutdown):  # the NCCL group's child too
@@ -852,3 +878,247 @@ class BufferChain:
             for buffer in self.buffers:
                 buffer.copy_(flat[offset:offset + buffer.numel()].view(buffer.shape))
                 offset += buffer.numel()
+
+
+# DDP's bucket caps (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES, and bucket_cap_mb's default): a small first
+# bucket goes out as soon as the backward's first gradients are final, the rest in buckets large enough that each
+# collective's fixed cost stays small beside its bytes.
+FIRST_BUCKET_BYTES = 2**20
+BUCKET_BYTES = 25 * 2**20
+
+
+class GradientSum:
+    """The sum of the step's gradients over the hosts, overlapped with the backward pass (InPlace.commit waits for it).
+
+    The gradients are cut into fixed buckets: the parameters that require a gradient in REVERSE registration order
+    (the backward's usual order), capped as DDP caps its own, each bucket one preallocated flat tensor of one dtype
+    and device. The layout follows from the model alone, never from when gradients arrived: a host that just joined
+    must pair the very buffers the others pair (torch's reducer rebuilds its buckets after the first step from the
+    order it saw them in, which is why the host's own DDP buckets are not these).
+
+    A parameter's gradient is final only in the backward of the step's last micro-batch (the boundary: the others
+    run in no_sync and accumulate), so readiness counts only while `armed`. It is reported by `ready(params,
+    values)`: a post-accumulate-grad hook per parameter on a host of one process, or the host's DDP comm hook (the
+    host-averaged gradients) on a host of several. A bucket whose every parameter is ready is copied in and its sum
+    launched on torchft's managed group (non-blocking). Gloo pairs the collectives of a group by the order they are
+    issued, whatever thread issues them, so the buckets are launched strictly in index order on every host: a bucket
+    ready before the one ahead of it waits for it. `finish()` launches what is left (a parameter that got no
+    gradient this step adds its .grad from earlier micro-batches, or zeros, as the one flat sum did) and waits: what
+    torchft's managed allreduce met (a lost host) it reports to the Manager, whose should_commit() then says False
+    on every host, and the step applies nothing."""
+
+    def __init__(self, params: list, manager, first_bytes: int = FIRST_BUCKET_BYTES, bytes_: int = BUCKET_BYTES):
+        import threading
+
+        import torch
+
+        self.params, self.manager = params, manager
+        self.buckets: list[tuple[Any, list]] = []  # (flat tensor, [(parameter, offset)]) in launch order
+        self.slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, offset)
+        members: list = []
+        size = 0
+        cap = first_bytes
+
+        def close() -> None:
+            nonlocal members, size, cap
+            if members:
+                first = members[0][0]
+                flat = torch.zeros(size, dtype=first.dtype, device=first.device)
+                self.buckets.append((flat, members))
+                cap = bytes_
+            members, size = [], 0
+
+        for p in reversed(params):
+            if members and (p.dtype != members[0][0].dtype or p.device != members[0][0].device):
+                close()
+            self.slot[id(p)] = (len(self.buckets), size)
+            members.append((p, size))
+            size += p.numel()
+            if size * p.element_size() >= cap:  # DDP's rule: a bucket closes once it holds its cap or more
+                close()
+        close()
+        self.lock = threading.Lock()  # readiness may come from the autograd engine's threads or gloo's
+        self.armed = False   # the step's last micro-batch is in its backward
+        self.overlap = True  # off for good once a gradient changed after its bucket was launched (see ready())
+        self.stale = False   # this step's sum launched a gradient that changed afterwards
+        self.hooks: list = []
+        self.new_step()
+
+    def new_step(self) -> None:
+        self.counts = [0] * len(self.buckets)
+        self.seen: set[int] = set()
+        self.works: list = []
+        self.launched = 0          # buckets launched this step
+        self.launched_early = 0    # of them, launched during the backward (the overlap's measure)
+        self.stale = False
+
+    def matches(self, params: list) -> bool:
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
+
+    def hook_parameters(self) -> None:
+        """Readiness from each parameter's post-accumulate-grad hook: a host of one process (no DDP of its own)."""
+        def accumulated(p) -> None:  # a post-accumulate-grad hook returns nothing
+            if self.armed:
+                self.ready([p], [p.grad])
+
+        for p in self.params:
+            self.hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+
+    def hook_ddp(self, ddp, chained: tuple | None) -> None:
+        """Readiness from the host's DistributedDataParallel: its comm hook does what the default one does (or what
+        `chained`, (state, hook), does: shm_allreduce's), and then marks that DDP bucket's parameters ready with
+        their host-averaged values. DDP calls it only for the synchronised micro-batch: no arming needed."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        state, hook = chained if chained is not None else (None, allreduce_hook)
+        if ddp.process_group.size() == 1:  # a host of one process (DDP over it all the same): nothing to average
+            hook = _as_it_is
+
+        def averaged_then_ready(_, bucket):
+            params = bucket.parameters()
+
+            def mark(future):
+                result = future.value()
+                result = result[0] if isinstance(result, list) else result
+                values, offset = [], 0
+                for p in params:  # the bucket's flat buffer holds its parameters' gradients in this order
+                    values.append(result[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                self.ready(params, values)
+                return result
+
+            return hook(state, bucket).then(mark)
+
+        ddp.register_comm_hook(None, averaged_then_ready)
+
+    def ready(self, params: list, values: list) -> None:
+        """These parameters' gradients are final for the step: into their buckets, and every bucket that is complete
+        and next in order launched."""
+        with self.lock:
+            if not self.overlap:
+                return
+            for p, value in zip(params, values):
+                where = self.slot.get(id(p))
+                if where is None:  # not one of the summed parameters (frozen when the buckets were made)
+                    continue
+                index, offset = where
+                if index < self.launched:
+                    # A second backward in the last micro-batch changed a gradient already on its way: this step's
+                    # sum is wrong. It is abandoned (finish() reports it), and this host sums after the backward from
+                    # now on; that is only later in time, the launches stay in order, so the hosts still pair.
+                    self.stale = True
+                    continue
+                flat = self.buckets[index][0]
+                flat[offset:offset + p.numel()].view_as(p).copy_(value)
+                if id(p) not in self.seen:
+                    self.seen.add(id(p))
+                    self.counts[index] += 1
+            while self.launched < len(self.buckets) and \
+                    self.counts[self.launched] == len(self.buckets[self.launched][1]):
+                self._launch()
+                self.launched_early += 1
+
+    def _launch(self) -> None:
+        from torch.distributed import ReduceOp
+
+        self.works.append(self.manager.allreduce(self.buckets[self.launched][0], reduce_op=ReduceOp.SUM))
+        self.launched += 1
+
+    def finish(self) -> None:
+        """After the step's backward: the buckets not launched yet launched (their parameters that reported nothing
+        add their .grad or zeros), then every sum waited for (an error is torchft's to report: should_commit)."""
+        with self.lock:
+            self.armed = False
+            if self.stale:
+                self.overlap = False
+                log.warning("in place: a gradient changed after its sum over the hosts had been launched (more than "
+                            "one backward pass in the step's last micro-batch): this step is taken again, and this "
+                            "host sums its gradients after the backward from now on")
+                self.manager.report_error(RuntimeError("a gradient changed after its sum was launched"))
+            while self.launched < len(self.buckets):
+                flat, members = self.buckets[self.launched]
+                for p, offset in members:
+                    if id(p) in self.seen:
+                        continue
+                    part = flat[offset:offset + p.numel()]
+                    if p.grad is not None:
+                        part.view_as(p).copy_(p.grad)
+                    else:
+                        part.zero_()
+                self._launch()
+        for work in self.works:
+            work.wait()
+
+    def apply(self, scale: float) -> None:
+        """The sums into the parameters' .grad, scaled: exactly the one flat sum's arithmetic (sum, then mul_)."""
+        for flat, members in self.buckets:
+            flat.mul_(scale)
+            for p, offset in members:
+                part = flat[offset:offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    p.grad.copy_(part)
+                elif part.any():  # unused here, used by a peer
+                    p.grad = part.clone()
+
+    def remove_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+
+def _as_it_is(_, bucket):
+    """A DDP comm hook for a group of one process: the bucket as it is (x / 1 == x, and no collective)."""
+    import torch
+
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+class StepTiming:
+    """Where an in-place step's time goes, logged every EVERY committed steps (means, milliseconds): the quorum, the
+    forward and backward passes (run.forward_backward's: a script that calls its model and run.backward() itself
+    has them in "other"), the sum over the hosts as far as the step waits for it after the backward (its exposed
+    part: the rest overlapped with the backward), the optimizer step and what follows it until the next quorum
+    (logging, checkpoints), and the rest (the data). The wall clock of the calling thread: on a GPU, kernels still
+    queued count where they are waited for."""
+
+    EVERY = 100
+
+    def __init__(self, says: bool):
+        self.says = says
+        self.spent: dict[str, float] = {}
+        self.steps = self.buckets = self.early = 0
+        self.began = self.last_commit = None
+
+    def add(self, phase: str, seconds: float) -> None:
+        if self.began is None:  # the window's first phase: it began that long ago
+            self.began = time.perf_counter() - seconds
+        self.spent[phase] = self.spent.get(phase, 0.0) + seconds
+
+    def since_commit(self, phase: str) -> None:
+        if self.last_commit is not None:
+            self.add(phase, time.perf_counter() - self.last_commit)
+            self.last_commit = None
+
+    def committed(self, seconds: float, summed: "GradientSum") -> None:
+        now = time.perf_counter()
+        self.add("sum", seconds)
+        self.last_commit = now
+        self.steps += 1
+        self.buckets += len(summed.buckets)
+        self.early += summed.launched_early
+        if self.steps >= self.EVERY:
+            self.say(now)
+
+    def say(self, now: float | None = None) -> None:
+        now = now or time.perf_counter()
+        if self.steps and self.says:
+            wall = now - self.began
+            known = {k: self.spent[k] for k in ("quorum", "forward", "backward", "sum", "optimizer") if k in self.spent}
+            parts = ", ".join(f"{k} {v / self.steps * 1e3:.1f}" for k, v in known.items())
+            log.info("in place: per step over %d steps (ms): %s, other %.1f, wall %.1f; %d of %d buckets of the sum "
+                     "launched during the backward", self.steps, parts.replace("sum", "sum exposed"),
+                     max(0.0, wall - sum(known.values())) / self.steps * 1e3, wall / self.steps * 1e3,
+                     self.early, self.buckets)
+        self.spent, self.steps, self.buckets, self.early, self.began = {}, 0, 0, 0, None

@@ -128,6 +128,7 @@ class Run:
         name = type(model).__name__  # before wrap(): fsdp renames the class (FSDPSequential)
         with self._once():  # the model's mistakes are every rank's alike
             self.strategy = for_run(cfg, self.ctx, model, label=self._label, name=self._names[0] or name)
+            self.strategy.comm_hook = self._driver.comm_hook  # in place: the host's DDP reports its buckets
             if cfg.sync_bn and self.distributed:
                 model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
             memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format

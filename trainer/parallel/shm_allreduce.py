@@ -136,19 +136,24 @@ def all_cpu_on_one_host(ctx: DistContext) -> bool:
     return ctx.device.type == "cpu" and ctx.backend == "gloo" and ctx.topology.local_world_size == ctx.world_size
 
 
-def register_if_usable(ddp_model: torch.nn.parallel.DistributedDataParallel, ctx: DistContext) -> None:
-    """Use shared memory when every rank is a CPU process of this host and all agree (a collective)."""
+def register_if_usable(ddp_model: torch.nn.parallel.DistributedDataParallel, ctx: DistContext,
+                       register: bool = True) -> tuple | None:
+    """Use shared memory when every rank is a CPU process of this host and all agree (a collective): the hook's
+    (state, hook), registered unless register is False (in-place recovery chains it in a hook of its own, DDP taking
+    one only); None where shared memory is not usable."""
     if not all_cpu_on_one_host(ctx):
-        return
+        return None
     grad_bytes = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
     # Every local rank's buckets, twice while DDP rebuilds them after the first step.
     problem = sharing_problem(ctx, 2 * ctx.world_size * grad_bytes)
     if problem:
         log.warning("gradients go through gloo's TCP all-reduce, not shared memory: %s (raise shm_size, "
                     "or --shm-allreduce false to silence this)", problem)
-        return
+        return None
     state = SharedMemoryAllReduce(ctx)
-    ddp_model.register_comm_hook(state, SharedMemoryAllReduce.hook)
+    if register:
+        ddp_model.register_comm_hook(state, SharedMemoryAllReduce.hook)
     HOOKS[ddp_model] = state
     log.info("gradients are all-reduced through shared memory (all %d processes on this host)", ctx.world_size)
+    return state, SharedMemoryAllReduce.hook
 

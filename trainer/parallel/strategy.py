@@ -103,6 +103,10 @@ class Strategy:
         # DistributedDataParallel over the process group. In-place recovery replicates across hosts itself
         # (trainer/engine/inplace.py): a host of one process has nothing for DDP to do.
         self.replicate = ctx.distributed if replicate is None else replicate
+        # Who registers DDP's comm hook instead (in-place recovery, which sums the host-averaged buckets over the
+        # hosts as they come): called with the DDP module and the hook it would have had ((state, hook) of
+        # shm_allreduce's, or None: the default all-reduce). None: the strategy's own.
+        self.comm_hook: Callable | None = None
 
     def wrap(self, model: nn.Module, memory_format: torch.memory_format = torch.contiguous_format, example=None,
              **ddp_options) -> nn.Module:
@@ -118,10 +122,13 @@ class Strategy:
             cuda = self.ctx.device.type == "cuda"
             self.wrapped = DDP(model, device_ids=[self.ctx.device.index] if cuda else None,
                                **{"gradient_as_bucket_view": True, **ddp_options})
+            chained = None
             if self.cfg.shm_allreduce:
                 from trainer.parallel.shm_allreduce import register_if_usable
 
-                register_if_usable(self.wrapped, self.ctx)
+                chained = register_if_usable(self.wrapped, self.ctx, register=self.comm_hook is None)
+            if self.comm_hook is not None:
+                self.comm_hook(self.wrapped, chained)
         return self.wrapped
 
     def _checkpoint_activations(self) -> None:

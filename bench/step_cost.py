@@ -1,0 +1,60 @@
+"""`python -m bench.step_cost`: the fault-free per-step cost of in-place recovery against the restart path.
+
+Two local launcher "hosts" of one process each train ResNet-18 on synthetic data without a fault (bench.goodput's
+one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round, so
+that both meet the same load on a shared machine. --baseline DIR adds in place as another source tree (a checkout of
+an earlier commit) runs it, in the same rounds. Prints one JSON line per run and, at the end, each round's walls and
+ratios and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part, the
+optimizer and what follows it, the rest).
+
+    python -m bench.step_cost --rounds 3 --steps 400 [--baseline /tmp/before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from bench.goodput import one_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--baseline", help="a source tree whose in place runs too (PYTHONPATH), e.g. an earlier commit")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process at world size 2")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    args.lr, args.timeout, args.keep, args.fault_every, args.down_for = 0.0, 1800.0, False, 0.0, 0.0
+    own = os.environ.get("PYTHONPATH", "")
+    runs: list[dict] = []
+    for number in range(args.rounds):
+        for label, mode, path in (("restart", "elastic", own), ("in place", "inplace", own),
+                                  *((("in place (baseline)", "inplace", args.baseline),) if args.baseline else ())):
+            os.environ["PYTHONPATH"] = path
+            try:
+                run = one_run(mode, args, faults=False)
+            finally:
+                os.environ["PYTHONPATH"] = own
+            run.update(round=number, label=label)
+            runs.append(run)
+            print(json.dumps(run), file=sys.stderr, flush=True)
+    for number in range(args.rounds):
+        walls = {run["label"]: run["wall_s"] for run in runs if run["round"] == number}
+        restart = walls["restart"]
+        print(json.dumps({"round": number, **{k: round(v, 1) for k, v in walls.items()},
+                          **{f"{k} / restart": round(v / restart, 3) for k, v in walls.items() if k != "restart"}}))
+    for run in runs:
+        if run.get("step_split_ms"):
+            print(json.dumps({"round": run["round"], "label": run["label"], **run["step_split_ms"]}))
+    return 0 if all(run["global_step"] == args.steps for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
