@@ -26,7 +26,7 @@ from helpers import (
     mid_epoch_copy,
     read_scalars,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     train_ok,
 )
 
@@ -563,7 +563,7 @@ RECIPE_BAD_INPUT = {
 @pytest.mark.parametrize("args, setting, words", RECIPE_BAD_INPUT.values(), ids=RECIPE_BAD_INPUT.keys())
 def test_recipe_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, setting, words):
     (tmp_path / "recipedata.py").write_text(USER_DATA)
-    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", *args,
-                          *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", *args,
+                                 *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
     assert words in assert_usage_error(result, setting)
     assert {p for p in files_under(tmp_path) if "__pycache__" not in p.parts} == {Path("recipedata.py")}
