@@ -30,6 +30,7 @@ from helpers import (
     load_checkpoint,
     read_summary,
     run_trainer,
+    run_trainer_forked,
     train_ok,
     write_image_folder,
 )
@@ -273,7 +274,7 @@ def test_sigterm_with_dataloader_workers_checkpoints_and_resumes_exactly(uninter
 def test_checkpoint_of_a_user_model_is_refused_for_another_model(uninterrupted_user_run, tmp_path):
     with_user_module(tmp_path)
     checkpoint = uninterrupted_user_run / "checkpoints" / "step-00000007.pt"
-    result = run_trainer([*USER_RUN, "--model", "cnn", "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([*USER_RUN, "--model", "cnn", "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path)
     line = assert_usage_error(result, "--resume")
     assert "usercode:model" in line and "cnn" in line
 
@@ -301,7 +302,7 @@ def test_model_with_its_own_scalar_loss_trains_without_classes(tmp_path):
 def test_names_that_do_not_resolve_fail_before_anything_starts(tmp_path, setting, value, words):
     with_user_module(tmp_path)
     other = {"--model": ["--dataset", "usercode:data"], "--dataset": ["--model", "cnn"]}[setting]
-    result = run_trainer([setting, value, *other, *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([setting, value, *other, *dirs_args(tmp_path)], tmp_path)
     assert words in assert_usage_error(result, setting)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
 
@@ -442,7 +443,7 @@ def test_a_scripts_checkpoint_is_refused_by_the_built_in_trainer(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and list((tmp_path / "checkpoints").glob("step-*.pt")), done.stderr
-    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
-                          *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
+                                 *dirs_args(tmp_path)], tmp_path)
     assert "this run resumes model, optimizer, scheduler, scaler (scheduler, scaler missing)" in \
         assert_usage_error(result, "--resume")
