@@ -148,6 +148,7 @@ def run_trainer(args: Sequence[str], cwd: Path, nproc: int | None = None, env: M
 _FORK_SERVER = r"""
 import json, os, runpy, sys
 import trainer.engine.inplace, trainer.engine.loop  # what `python -m trainer` imports before reading a setting
+import torch.distributed.run  # torchrun's (a run's workers are interpreters of their own: it starts them)
 sys.stdout.write("ready\n"); sys.stdout.flush()
 while True:
     line = sys.stdin.readline()
@@ -173,7 +174,7 @@ del json, null, fd, path, line, pid
 # The interpreter's own end, but for freeing every module one by one: in a fork that touches each copied page
 # of torch's, seconds a process of its own does not spend.
 try:
-    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     code = 0
 except SystemExit as stop:
     code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
@@ -193,9 +194,16 @@ _fork_server: subprocess.Popen | None = None
 
 
 def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None,
-                       timeout: float = BAD_INPUT_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python -m trainer *args` (one process, as run_trainer with nproc None) for a run the trainer refuses or
-    ends before training: forked from this test process's trainer server, which imported torch once."""
+                       timeout: float = RUN_TIMEOUT_S, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer *args` (under a torchrun of nproc workers, as run_trainer), forked from this test process's
+    trainer server, which imported torch once: for a run refused before training, or a short one. Not for a run
+    whose environment changes how Python starts (PYTHONPATH, a sitecustomize): the server started already."""
+    assert not any(key.startswith("PYTHON") for key in env or {}), "the fork server's interpreter started already"
+    module = "trainer"
+    if nproc is not None:  # torchrun forked, its workers `python -m trainer` of their own
+        module, args = "torch.distributed.run", ["--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+                                                 "-m", "trainer", *args]
+    command = [sys.executable, "-m", module, *args]  # what it stands for
     global _fork_server
     if _fork_server is None or _fork_server.poll() is not None:
         _fork_server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=tempfile.gettempdir(),
@@ -206,7 +214,8 @@ def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | 
         paths = {name: str(Path(out) / name) for name in ("stdout", "stderr")}
         for path in paths.values():
             Path(path).touch()
-        server.stdin.write(json.dumps({"args": list(args), "cwd": str(cwd), "env": clean_env(env), **paths}) + "\n")
+        server.stdin.write(json.dumps({"module": module, "args": list(args), "cwd": str(cwd), "env": clean_env(env),
+                                       **paths}) + "\n")
         server.stdin.flush()
         pid = json.loads(server.stdout.readline())["pid"]
         timed_out = threading.Event()
@@ -222,21 +231,23 @@ def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | 
         finally:
             hung.cancel()
         if timed_out.is_set():
-            raise subprocess.TimeoutExpired(["python", "-m", "trainer", *args], timeout)
+            raise subprocess.TimeoutExpired(command, timeout)
         stdout, stderr = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
-    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, stdout, stderr)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 def train_ok(args: Sequence[str], cwd: Path, nproc: int | None = None,
-             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-    result = run_trainer(args, cwd, nproc, env)
+             env: Mapping[str, str] | None = None, forked: bool = False) -> subprocess.CompletedProcess:
+    """forked: through run_trainer_forked, the torch import of `python -m trainer` (or of torchrun) paid once per
+    test process."""
+    result = run_trainer_forked(args, cwd, env, nproc=nproc) if forked else run_trainer(args, cwd, nproc, env)
     assert result.returncode == 0, f"trainer exited {result.returncode}:\n{result.stderr[-4000:]}"
     return result
 
 
-def finished_run(root: Path, args: Sequence[str], steps: int, nproc: int = 2) -> Path:
+def finished_run(root: Path, args: Sequence[str], steps: int, nproc: int = 2, forked: bool = False) -> Path:
     """A run of `args` under root (see dirs_args) that must end at `steps`; returns root."""
-    train_ok([*args, *dirs_args(root)], root, nproc=nproc)
+    train_ok([*args, *dirs_args(root)], root, nproc=nproc, forked=forked)
     assert read_summary(root / "runs")["global_step"] == steps
     return root
 
