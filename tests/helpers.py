@@ -7,17 +7,20 @@ OMP_NUM_THREADS=1, and runs in a temporary directory so relative defaults (./run
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import pickle
 import random
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterable, Mapping, NoReturn, Sequence
 
@@ -137,16 +140,114 @@ def run_trainer(args: Sequence[str], cwd: Path, nproc: int | None = None, env: M
                           text=True, timeout=timeout)
 
 
+# `python -m trainer` forked from one interpreter that has imported it (and torch) already: a run refused before
+# training costs the refusal, not the 3-4 s of importing torch again (seconds more on a loaded runner), over the
+# hundred-odd bad-input rows. The child is `python -m trainer` in all else: its own process, cwd, environment
+# (torch and the trainer read theirs when called, not at import), sys.path[0] and argv, its exit through the
+# interpreter's own (an exception's traceback, SystemExit's code), its stdout and stderr on their file descriptors.
+_FORK_SERVER = r"""
+import json, os, runpy, sys
+import trainer.engine.inplace, trainer.engine.loop  # what `python -m trainer` imports before reading a setting
+import torch.distributed.run  # torchrun's (a run's workers are interpreters of their own: it starts them)
+sys.stdout.write("ready\n"); sys.stdout.flush()
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        os._exit(0)
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        break
+    sys.stdout.write(json.dumps({"pid": pid}) + "\n"); sys.stdout.flush()
+    _, status = os.waitpid(pid, 0)
+    sys.stdout.write(json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n"); sys.stdout.flush()
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+os.chdir(request["cwd"])
+os.environ.clear()
+os.environ.update(request["env"])
+sys.path[0] = request["cwd"]  # -m's: the working directory
+sys.argv = ["-m", *request["args"]]
+del json, null, fd, path, line, pid
+# The interpreter's own end, but for freeing every module one by one: in a fork that touches each copied page
+# of torch's, seconds a process of its own does not spend.
+try:
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as stop:
+    code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    if not isinstance(stop.code, int) and stop.code is not None:
+        print(stop.code, file=sys.stderr)
+except BaseException:
+    sys.excepthook(*sys.exc_info())
+    code = 1
+import atexit, threading
+threading._shutdown()
+atexit._run_exitfuncs()
+for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+os._exit(code & 0xFF)
+"""
+_fork_server: subprocess.Popen | None = None
+
+
+def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None,
+                       timeout: float = RUN_TIMEOUT_S, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer *args` (under a torchrun of nproc workers, as run_trainer), forked from this test process's
+    trainer server, which imported torch once: for a run refused before training, or a short one. Not for a run
+    whose environment changes how Python starts (PYTHONPATH, a sitecustomize): the server started already."""
+    assert not any(key.startswith("PYTHON") for key in env or {}), "the fork server's interpreter started already"
+    module = "trainer"
+    if nproc is not None:  # torchrun forked, its workers `python -m trainer` of their own
+        module, args = "torch.distributed.run", ["--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+                                                 "-m", "trainer", *args]
+    command = [sys.executable, "-m", module, *args]  # what it stands for
+    global _fork_server
+    if _fork_server is None or _fork_server.poll() is not None:
+        _fork_server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=tempfile.gettempdir(),
+                                        env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert _fork_server.stdout.readline() == "ready\n", "the trainer's fork server did not start"
+    server = _fork_server
+    with tempfile.TemporaryDirectory(prefix="forked-trainer-") as out:
+        paths = {name: str(Path(out) / name) for name in ("stdout", "stderr")}
+        for path in paths.values():
+            Path(path).touch()
+        server.stdin.write(json.dumps({"module": module, "args": list(args), "cwd": str(cwd), "env": clean_env(env),
+                                       **paths}) + "\n")
+        server.stdin.flush()
+        pid = json.loads(server.stdout.readline())["pid"]
+        timed_out = threading.Event()
+
+        def kill() -> None:  # a hang fails as subprocess.run's would
+            timed_out.set()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        hung = threading.Timer(timeout, kill)
+        hung.start()
+        try:
+            code = json.loads(server.stdout.readline())["exit"]
+        finally:
+            hung.cancel()
+        if timed_out.is_set():
+            raise subprocess.TimeoutExpired(command, timeout)
+        stdout, stderr = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+
 def train_ok(args: Sequence[str], cwd: Path, nproc: int | None = None,
-             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-    result = run_trainer(args, cwd, nproc, env)
+             env: Mapping[str, str] | None = None, forked: bool = False) -> subprocess.CompletedProcess:
+    """forked: through run_trainer_forked, the torch import of `python -m trainer` (or of torchrun) paid once per
+    test process."""
+    result = run_trainer_forked(args, cwd, env, nproc=nproc) if forked else run_trainer(args, cwd, nproc, env)
     assert result.returncode == 0, f"trainer exited {result.returncode}:\n{result.stderr[-4000:]}"
     return result
 
 
-def finished_run(root: Path, args: Sequence[str], steps: int, nproc: int = 2) -> Path:
+def finished_run(root: Path, args: Sequence[str], steps: int, nproc: int = 2, forked: bool = False) -> Path:
     """A run of `args` under root (see dirs_args) that must end at `steps`; returns root."""
-    train_ok([*args, *dirs_args(root)], root, nproc=nproc)
+    train_ok([*args, *dirs_args(root)], root, nproc=nproc, forked=forked)
     assert read_summary(root / "runs")["global_step"] == steps
     return root
 

@@ -25,7 +25,7 @@ from helpers import (
     free_port,
     read_scalars,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     train_ok,
 )
 
@@ -236,7 +236,7 @@ def test_a_scripts_checkpoint_resumes_in_the_built_in_loop_only_when_it_holds_wh
         """
     done = run_script(script(tmp_path, body, "checkpoint_dir='checkpoints', log_dir='runs'"), tmp_path)
     assert done.returncode == 0, done.stderr
-    result = run_trainer([*BUILT_IN_RUN, *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([*BUILT_IN_RUN, *dirs_args(tmp_path)], tmp_path)
     line = assert_usage_error(result, "--resume")
     assert "holds model, optimizer; this run resumes model, optimizer, scheduler, scaler (scheduler, scaler " \
            "missing)" in line

@@ -13,14 +13,23 @@ import sys
 import pytest
 import torch
 from fault_helpers import wait_until
-from helpers import checkpoint_steps, clean_env, dirs_args, load_checkpoint, read_summary, run_trainer, train_ok
+from helpers import (
+    checkpoint_steps,
+    clean_env,
+    dirs_args,
+    load_checkpoint,
+    read_summary,
+    run_trainer_forked,
+    train_ok,
+)
 
 from trainer.checkpoint import sharded, store
 
 # resnet18's 11 M parameters and their momentum take long enough to write that the next steps run meanwhile:
 # a write of the live tensors instead of a copy would catch them half-updated.
-RUN = ["--model", "resnet18", "--synthetic-size", "320", "--synthetic-image-size", "16", "--image-size", "16",
-       "--batch-size", "16", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "10",
+# 10 steps, a checkpoint every 3: 3, 6, 9 and the last step's, 10.
+RUN = ["--model", "resnet18", "--synthetic-size", "160", "--synthetic-image-size", "16", "--image-size", "16",
+       "--batch-size", "16", "--epochs", "1", "--checkpoint-every", "3", "--keep-checkpoints", "10",
        "--warmup-steps", "2"]
 
 
@@ -52,8 +61,8 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
 def test_background_checkpoints_are_the_synchronous_ones_and_resume_the_same(tmp_path):
     """Each checkpoint written while later steps ran holds the state of its own step: the same tensors as a
     synchronous run's checkpoint at that step, and a run resumed from one ends where an uninterrupted one does."""
-    sync = run_trainer([*RUN, *dirs_args(tmp_path / "sync")], tmp_path)
-    background = run_trainer([*RUN, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path)
+    sync = run_trainer_forked([*RUN, *dirs_args(tmp_path / "sync")], tmp_path)
+    background = run_trainer_forked([*RUN, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path)
     assert sync.returncode == 0 and background.returncode == 0, (sync.stderr[-2000:], background.stderr[-2000:])
     steps = checkpoint_steps(tmp_path / "sync" / "checkpoints")
     assert steps == checkpoint_steps(tmp_path / "async" / "checkpoints") and len(steps) == 4
@@ -65,11 +74,11 @@ def test_background_checkpoints_are_the_synchronous_ones_and_resume_the_same(tmp
 
     # Resume from a background checkpoint mid-epoch: the end is the synchronous run's end.
     for later in checkpoint_steps(tmp_path / "async" / "checkpoints"):
-        if later > 10:
+        if later > 6:
             (tmp_path / "async" / "checkpoints" / f"step-{later:08d}.pt").unlink()
-    resumed = run_trainer([*RUN, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path)
+    resumed = run_trainer_forked([*RUN, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert read_summary(tmp_path / "async" / "runs")["resumed_from_step"] == 10
+    assert read_summary(tmp_path / "async" / "runs")["resumed_from_step"] == 6
     end = f"step-{steps[-1]:08d}.pt"
     assert_same_tensors(load_checkpoint(tmp_path / "sync" / "checkpoints" / end),
                         load_checkpoint(tmp_path / "async" / "checkpoints" / end), f"{end} after resume")
@@ -99,7 +108,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint_the_ne
         assert path.name == f"step-{state['global_step']:08d}.pt"
     newest = int(committed[0].stem.split("-")[1])
 
-    again = run_trainer([*args, "--max-steps", str(newest + 2)], tmp_path)
+    again = run_trainer_forked([*args, "--max-steps", str(newest + 2)], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == newest
     assert not list(directory.glob(".tmp-step-*"))
@@ -111,11 +120,11 @@ def test_fsdp_background_checkpoints_are_the_synchronous_ones(tmp_path):
     run (its collectives on a group of their own); rank 0 commits once every shard is on disk. Each committed
     directory holds the same model and optimizer tensors as a synchronous run's directory at that step, and
     none is left uncommitted."""
-    run = ["--model", "resnet18", "--synthetic-size", "320", "--synthetic-image-size", "16", "--image-size", "16",
-           "--batch-size", "8", "--epochs", "1", "--checkpoint-every", "5", "--keep-checkpoints", "10",
+    run = ["--model", "resnet18", "--synthetic-size", "160", "--synthetic-image-size", "16", "--image-size", "16",
+           "--batch-size", "8", "--epochs", "1", "--checkpoint-every", "3", "--keep-checkpoints", "10",
            "--warmup-steps", "2", "--strategy", "fsdp", "--num-workers", "0"]
-    train_ok([*run, *dirs_args(tmp_path / "sync")], tmp_path, nproc=2)
-    background = train_ok([*run, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path, nproc=2)
+    train_ok([*run, *dirs_args(tmp_path / "sync")], tmp_path, nproc=2, forked=True)
+    background = train_ok([*run, "--checkpoint-async", *dirs_args(tmp_path / "async")], tmp_path, nproc=2, forked=True)
     def committed(root):
         return sorted(int(p.name.split("-")[1]) for p in store.list_checkpoints(root / "checkpoints"))
     steps = committed(tmp_path / "sync")

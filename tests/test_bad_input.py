@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 from fault_helpers import tiny_run, wait_until
-from helpers import as_unprivileged, clean_env, free_port, trainer_command
+from helpers import as_unprivileged, clean_env, free_port, run_trainer_forked, trainer_command
 
 # Only a hang fails on time here (the rendezvous would wait 900 s, a collective 1800 s); how fast a bad
 # setting is refused is measured in docs/reliability.md, not asserted on a loaded runner.
@@ -220,6 +220,8 @@ def snapshot(root: Path) -> dict[str, tuple[int, int] | None]:
 
 
 def run_bad(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    if command[:len(WORKER)] == WORKER:  # the worker's rows: forked from an interpreter that imported torch once
+        return run_trainer_forked(command[len(WORKER):], cwd, env, timeout=HANG_BOUND_S)
     return subprocess.run(command, cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=HANG_BOUND_S)
 
 

@@ -20,7 +20,8 @@ def test_bench_runs_the_trainer_against_a_baseline_of_other_options_and_the_same
     """Two harnesses in one run: the trainer against a baseline of other options, and the script door's speed
     bar (bench/api_script.py: the same work, settings as TRAIN_* variables, its own loop on trainer.api,
     against `python -m trainer`; both write summary.json through Run)."""
-    result = run_bench_pair(tmp_path, ("trainer", "baseline", "script"), 2, ("trainer/baseline", "script/trainer"),
+    # One process a run (the harness is what is under test, not the scaling): 9 runs, each half the start-up of two.
+    result = run_bench_pair(tmp_path, ("trainer", "baseline", "script"), 1, ("trainer/baseline", "script/trainer"),
                             ["--steps", "8", "--model", "cnn", "--batch-size", "16", "--image-size", "40",
                              "--trainer-args", "--grad-accum 2 --channels-last",
                              "--baseline-args", "--loader dataloader --num-workers 0"])
@@ -31,7 +32,7 @@ def test_bench_runs_the_trainer_against_a_baseline_of_other_options_and_the_same
 @pytest.mark.slow
 def test_bench_runs_one_user_script_through_the_launcher_and_plain_torchrun(tmp_path):
     """The script-side speed bar's harness: the same hand-written script, trainer-launch vs torchrun."""
-    result = run_bench_pair(tmp_path, ("launcher", "torchrun"), 2, "launcher/torchrun",
+    result = run_bench_pair(tmp_path, ("launcher", "torchrun"), 1, "launcher/torchrun",
                             ["--steps", "8", "--model", "cnn", "--batch-size", "16"])
     assert result["settings"]["stacks"] == ["launcher", "torchrun"]
 

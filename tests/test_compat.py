@@ -25,8 +25,8 @@ RUN = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epo
 def test_ddp_on_public_apis_only_trains_bit_for_bit_as_on_the_private_ones(tmp_path):
     """Shared-memory all-reduce vs gloo's (2 processes: the same sums), composable checkpoint vs
     torch.utils.checkpoint (the same recomputation): the same weights, bit for bit."""
-    private = train_ok([*RUN, *dirs_args(tmp_path / "private")], tmp_path, nproc=2)
-    public = train_ok([*RUN, *dirs_args(tmp_path / "public")], tmp_path, nproc=2, env=PUBLIC)
+    private = train_ok([*RUN, *dirs_args(tmp_path / "private")], tmp_path, nproc=2, forked=True)
+    public = train_ok([*RUN, *dirs_args(tmp_path / "public")], tmp_path, nproc=2, env=PUBLIC, forked=True)
     assert "all-reduced through shared memory" in private.stderr
     assert "all-reduced through shared memory" not in public.stderr
     assert_same_params(final_params(tmp_path / "public" / "checkpoints"),
@@ -38,8 +38,8 @@ def test_fsdp_on_public_apis_only_trains_as_on_the_private_ones(tmp_path):
     """FSDP2's custom collectives (shared memory) vs gloo's all-gathers and reduce-scatters, composable vs public
     checkpointing; the sharded checkpoints read back through DCP's public load (trainer-export's path)."""
     args = [*RUN, "--strategy", "fsdp"]
-    private = train_ok([*args, *dirs_args(tmp_path / "private")], tmp_path, nproc=2)
-    public = train_ok([*args, *dirs_args(tmp_path / "public")], tmp_path, nproc=2, env=PUBLIC)
+    private = train_ok([*args, *dirs_args(tmp_path / "private")], tmp_path, nproc=2, forked=True)
+    public = train_ok([*args, *dirs_args(tmp_path / "public")], tmp_path, nproc=2, env=PUBLIC, forked=True)
     assert "go through shared memory" in private.stderr and "go through shared memory" not in public.stderr
     weights = [sharded.full_model_state(list_checkpoints(tmp_path / name / "checkpoints")[0])
                for name in ("private", "public")]

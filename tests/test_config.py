@@ -9,7 +9,15 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import BAD_INPUT_TIMEOUT_S, assert_usage_error, dirs_args, files_under, free_port, run_trainer
+from helpers import (
+    BAD_INPUT_TIMEOUT_S,
+    assert_usage_error,
+    dirs_args,
+    files_under,
+    free_port,
+    run_trainer,
+    run_trainer_forked,
+)
 
 from trainer.config.settings import OPTIONS, TrainConfig, env_name, flag_name, load_config
 from trainer.core.errors import UsageError
@@ -88,7 +96,7 @@ def test_help_shows_the_value_each_option_has_from_the_environment_the_env_file_
     (tmp_path / "other.env").write_text("TRAIN_EPOCHS=7\n")
     shown = {}
     for args in (["--help"], ["--env-file", "other.env", "--help"]):
-        result = run_trainer(args, tmp_path, env={"TRAIN_BATCH_SIZE": "3"}, timeout=BAD_INPUT_TIMEOUT_S)
+        result = run_trainer_forked(args, tmp_path, env={"TRAIN_BATCH_SIZE": "3"}, timeout=BAD_INPUT_TIMEOUT_S)
         assert result.returncode == 0, result.stderr
         shown[args[0]] = " ".join(result.stdout.split())
     assert "[env TRAIN_LR=0.25 here (in .env); default 0.1]" in shown["--help"]
@@ -121,14 +129,14 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("args, environ, setting", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, environ, setting):
-    result = run_trainer([*args, *dirs_args(tmp_path)], tmp_path, env=environ, timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked([*args, *dirs_args(tmp_path)], tmp_path, env=environ, timeout=BAD_INPUT_TIMEOUT_S)
     assert_usage_error(result, setting)
     assert files_under(tmp_path) == set()
 
 
 def test_bad_value_in_dotenv_names_the_file(tmp_path):
     (tmp_path / ".env").write_text("TRAIN_LR=fast\n")
-    result = run_trainer(dirs_args(tmp_path), tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked(dirs_args(tmp_path), tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
     line = assert_usage_error(result, "TRAIN_LR")
     assert ".env" in line
     assert files_under(tmp_path) == {Path(".env")}
@@ -138,15 +146,15 @@ def test_indivisible_global_batch_fails_before_the_process_group_forms(tmp_path)
     # Rank 0 of a world of 2 whose peer never comes: a late check would wait in the rendezvous instead.
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
-    result = run_trainer(["--global-batch-size", "63", *dirs_args(tmp_path)], tmp_path, env=env,
-                         timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked(["--global-batch-size", "63", *dirs_args(tmp_path)], tmp_path, env=env,
+                                timeout=BAD_INPUT_TIMEOUT_S)
     line = assert_usage_error(result, "--global-batch-size")
     assert "world size 2" in line
     assert files_under(tmp_path) == set()
 
 
 def test_nccl_without_gpu(tmp_path):  # the test environment hides any GPU
-    result = run_trainer(["--backend", "nccl", *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked(["--backend", "nccl", *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
     line = assert_usage_error(result, "--backend")
     assert "gloo" in line  # the fix it offers
     assert files_under(tmp_path) == set()
@@ -219,7 +227,7 @@ def test_the_settings_page_check_fails_on_a_stale_page(tmp_path, monkeypatch):
 def test_a_name_users_type_elsewhere_suggests_the_option_it_means(tmp_path, args, env, setting, suggested):
     """Names from other tools are what users type: the suggestion is the option they mean (TRAIN_LEARNING_RATE
     used to get "did you mean TRAIN_LOG_DIR?", the closest spelling with the shared prefix counted)."""
-    result = run_trainer([*args, *dirs_args(tmp_path)], tmp_path, env=env, timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked([*args, *dirs_args(tmp_path)], tmp_path, env=env, timeout=BAD_INPUT_TIMEOUT_S)
     assert suggested in assert_usage_error(result, setting)
     assert files_under(tmp_path) == set()
 

@@ -17,7 +17,7 @@ from helpers import (
     final_params,
     free_port,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     train_ok,
     write_cifar10,
     write_image_folder,
@@ -114,9 +114,9 @@ def assert_missing_dataset_error(result) -> None:
 
 @pytest.mark.parametrize("dataset", ["cifar10", "mnist"])
 def test_missing_dataset_with_the_network_refused(tmp_path, dataset):
-    result = run_trainer(["--model", "cnn", "--dataset", dataset, "--data-dir", str(tmp_path / "data"),
-                          *dirs_args(tmp_path)], tmp_path, env=unreachable_proxy(free_port()),
-                         timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked(["--model", "cnn", "--dataset", dataset, "--data-dir", str(tmp_path / "data"),
+                                 *dirs_args(tmp_path)], tmp_path, env=unreachable_proxy(free_port()),
+                                timeout=BAD_INPUT_TIMEOUT_S)
     assert_missing_dataset_error(result)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
     assert not (tmp_path / "data").exists()  # torchvision made it for the download; nothing is left
@@ -129,9 +129,9 @@ def test_missing_dataset_with_a_network_that_never_answers(tmp_path):
         black_hole.bind(("127.0.0.1", 0))
         black_hole.listen(16)
         started = time.monotonic()
-        result = run_trainer(["--model", "cnn", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
-                              *dirs_args(tmp_path)], tmp_path, env=unreachable_proxy(black_hole.getsockname()[1]),
-                             timeout=DOWNLOAD_STALL_TIMEOUT_S + BAD_INPUT_TIMEOUT_S)
+        result = run_trainer_forked(["--model", "cnn", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
+                                     *dirs_args(tmp_path)], tmp_path, env=unreachable_proxy(black_hole.getsockname()[1]),
+                                    timeout=DOWNLOAD_STALL_TIMEOUT_S + BAD_INPUT_TIMEOUT_S)
     assert_missing_dataset_error(result)
     assert time.monotonic() - started >= DOWNLOAD_STALL_TIMEOUT_S  # it did wait for the stalled download
 
@@ -145,7 +145,8 @@ def test_imagefolder_trains_through_the_dataloader_with_and_without_workers(tmp_
     for workers in (0, 2):
         root = tmp_path / f"workers-{workers}"
         train_ok(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
-                  "--batch-size", "2", "--epochs", "1", "--num-workers", str(workers), *dirs_args(root)], tmp_path)
+                  "--batch-size", "2", "--epochs", "1", "--num-workers", str(workers), *dirs_args(root)], tmp_path,
+                 forked=True)
         runs[workers] = root
         summary = read_summary(root / "runs")
         assert (summary["dataset"], summary["global_step"], summary["epochs_completed"]) == ("imagefolder", 4, 1)
@@ -170,8 +171,8 @@ def test_imagefolder_with_a_file_that_is_no_image(tmp_path, workers):
     write_image_folder(tmp_path / "data", per_class={"train": 4, "val": 1})
     broken = tmp_path / "data" / "train" / "dog" / "2.png"
     broken.write_text("not an image\n")
-    result = run_trainer(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
-                          "--batch-size", "2", "--num-workers", str(workers), *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"),
+                                 "--batch-size", "2", "--num-workers", str(workers), *dirs_args(tmp_path)], tmp_path)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     # The start line says the policy --augment auto took for the default 224 px crops.
     assert "; augment imagenet (auto: 224 px crops): RandomResizedCrop + flip, as torchvision's reference crops\n" \

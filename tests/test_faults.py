@@ -30,6 +30,7 @@ from helpers import (
     load_checkpoint,
     read_scalars,
     read_summary,
+    run_trainer_forked,
     skip_or_fail_in_ci,
 )
 
@@ -96,11 +97,11 @@ def test_a_restart_resumes_from_the_runs_newest_checkpoint_not_again_from_an_exp
     newest of those, as the restart line says. Before: every restart loaded FILE again and threw the steps since
     away (only --resume never was switched to auto on a restart)."""
     source = tmp_path / "source"
-    finished = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(source, samples=640)], cwd=tmp_path,
-                              env=clean_env(), capture_output=True, text=True, timeout=RUN_BOUND_S)  # 40 steps
+    finished = run_trainer_forked(tiny_run(source, samples=640), tmp_path, timeout=RUN_BOUND_S)  # 40 steps
     assert finished.returncode == 0, finished.stderr[-3000:]
     start = source / "checkpoints" / "step-00000020.pt"
-    run = Launch([*tiny_run(tmp_path, samples=6400), "--resume", str(start)], tmp_path,
+    # 100 steps: the kill comes after its checkpoint of step 40, and the restart trains on to the end from there.
+    run = Launch([*tiny_run(tmp_path, samples=3200), "--resume", str(start)], tmp_path,
                  launcher_env(free_port(), MAX_RESTARTS="1"))
     launches.append(run)
     wait_until(lambda: any(step >= 40 for step in checkpoint_steps(tmp_path / "checkpoints"))
@@ -530,9 +531,8 @@ def test_a_disk_that_fills_during_the_write_is_called_full(tmp_path):
 def test_a_checkpoint_dir_with_less_room_than_one_checkpoint_is_refused_before_training(tmp_path):
     """The run's first checkpoint would not fit: one line at the start, not an error at the first save."""
     with small_disk(tmp_path / "disk", "3m") as disk:
-        result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=64), "--model",
-                                 "resnet18", "--checkpoint-dir", str(disk / "checkpoints")], cwd=tmp_path,
-                                env=clean_env(), capture_output=True, text=True, timeout=RUN_BOUND_S)
+        result = run_trainer_forked([*tiny_run(tmp_path, samples=64), "--model", "resnet18", "--checkpoint-dir",
+                                     str(disk / "checkpoints")], tmp_path, timeout=RUN_BOUND_S)
         line = assert_usage_error(result, "--checkpoint-dir")
         assert re.search(r"has \d+ MiB free, less than one checkpoint needs \(about \d+ MiB\)", line), line
         assert not checkpoint.list_checkpoints(disk / "checkpoints")
@@ -542,9 +542,8 @@ def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
     """An empty file still fits on a full disk, so the start-up check also asks for free space."""
     with small_disk(tmp_path / "disk", "2m") as disk:
         fill(disk)
-        result = subprocess.run([sys.executable, "-m", "trainer", *tiny_run(tmp_path, samples=64),
-                                 "--log-dir", str(disk / "runs")], cwd=tmp_path, env=clean_env(),
-                                capture_output=True, text=True, timeout=RUN_BOUND_S)
+        result = run_trainer_forked([*tiny_run(tmp_path, samples=64), "--log-dir", str(disk / "runs")], tmp_path,
+                                    timeout=RUN_BOUND_S)
         line = assert_usage_error(result, "--log-dir")
         assert f"'{disk / 'runs'}' has 0 KiB free" in line
         assert not checkpoint.list_checkpoints(tmp_path / "checkpoints")
@@ -553,8 +552,9 @@ def test_full_log_disk_at_start_is_one_line_before_training(tmp_path):
 def test_log_disk_filling_up_mid_run_costs_the_events_not_the_training(tmp_path):
     with small_disk(tmp_path / "disk", "4m") as disk:
         # lr 0.05: at tiny_run's 0.1 this cnn's 600 steps diverged at step 202 on one of CI's CPUs (AMD EPYC, one
-        # thread), and the run ended on that instead of on the full disk.
-        args = [*tiny_run(tmp_path, samples=9600), "--log-dir", str(disk / "runs"), "--log-every", "1", "--lr", "0.05"]
+        # thread), and the run ended on that instead of on the full disk. 200 steps: the disk fills at the first
+        # events, and every step logs (the writer meets the full disk within its first queue of 10 events).
+        args = [*tiny_run(tmp_path, samples=3200), "--log-dir", str(disk / "runs"), "--log-every", "1", "--lr", "0.05"]
         worker = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, env=clean_env(),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_until(lambda: list((disk / "runs").glob("events.out.tfevents.*")), 120, "the first TensorBoard events")
@@ -564,7 +564,7 @@ def test_log_disk_filling_up_mid_run_costs_the_events_not_the_training(tmp_path)
         warned = [line for line in stderr.splitlines() if "TensorBoard events can no longer be written" in line]
         assert len(warned) == 1 and "training goes on without them" in warned[0], stderr[-3000:]
         assert stderr.strip().splitlines()[-1].startswith("error: --log-dir: cannot write summary.json (No space ")
-        assert checkpoint_steps(tmp_path / "checkpoints")[-1] == 600  # training went on to its last step
+        assert checkpoint_steps(tmp_path / "checkpoints")[-1] == 200  # training went on to its last step
         assert not list((disk / "runs").glob(".summary.json*"))
 
 

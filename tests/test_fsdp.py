@@ -28,7 +28,7 @@ from helpers import (
     free_port,
     read_scalars,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     train_ok,
 )
 
@@ -113,14 +113,14 @@ def fsdp_full_params(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
-    train_ok([*RUN, *dirs_args(root)], root, nproc=2)
+    train_ok([*RUN, *dirs_args(root)], root, nproc=2, forked=True)
     return root
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
-    train_ok([*RUN, "--strategy", "fsdp", *dirs_args(root)], root, nproc=2)
+    train_ok([*RUN, "--strategy", "fsdp", *dirs_args(root)], root, nproc=2, forked=True)
     return root
 
 
@@ -158,7 +158,7 @@ def test_fsdp_composes_with_compile_and_activation_checkpointing(tmp_path):
            "--activation-checkpointing"]
     losses = {}
     for compiled in ("false", "true"):
-        train_ok([*run, "--compile", compiled, *dirs_args(tmp_path / compiled)], tmp_path, nproc=2)
+        train_ok([*run, "--compile", compiled, *dirs_args(tmp_path / compiled)], tmp_path, nproc=2, forked=True)
         losses[compiled] = read_scalars(tmp_path / compiled / "runs")["Loss/train"]
     assert [s for s, _ in losses["true"]] == [s for s, _ in losses["false"]] == [1, 2]
     (_, eager1), (_, eager2) = losses["false"]
@@ -189,7 +189,7 @@ def test_fsdp_resume_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(fsdp
     (checkpoints / "step-00000015" / "__1_0.distcp").unlink()
     shutil.copytree(fsdp_run / "checkpoints" / "step-00000020", checkpoints / "step-00000017")
     (checkpoints / "step-00000017" / sharded.COMMIT_MARKER).unlink()
-    result = train_ok([*RUN, "--strategy", "fsdp", "--resume", "auto", *dirs_args(tmp_path)], tmp_path, nproc=2)
+    result = train_ok([*RUN, "--strategy", "fsdp", "--resume", "auto", *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     warned = [line for line in result.stderr.splitlines() if "step-00000015 does not load" in line]
     assert len(warned) == 1 and "moved to step-00000015.corrupt, trying the previous one" in warned[0], \
         result.stderr[-3000:]
@@ -218,7 +218,7 @@ def test_a_2_process_checkpoint_resumed_at_another_world_size_trains_every_sampl
     if not first.exists():  # one 2-process run, resumed by each parameter
         first.mkdir()
         (first / "fsdpcode.py").write_text(USER_MODULE)
-        train_ok([*USER_RUN, "--max-steps", "14", *dirs_args(first)], first, nproc=2)
+        train_ok([*USER_RUN, "--max-steps", "14", *dirs_args(first)], first, nproc=2, forked=True)
     assert read_summary(first / "runs")["global_step"] == 14  # mid-epoch: an epoch is 320 / 16 = 20 steps
     root = tmp_path_factory.mktemp(f"world-{nproc}")
     (root / "fsdpcode.py").write_text(USER_MODULE)
@@ -241,7 +241,7 @@ def test_a_rank_without_a_validation_batch_still_joins_fsdps_collectives(tmp_pat
     an all-gather, so it must forward something (zeros shaped like rank 0's inputs) or rank 0 hangs."""
     (tmp_path / "fsdpcode.py").write_text(USER_MODULE)
     args = [*USER_RUN, "--dataset", "fsdpcode:one_val_sample", "--epochs", "1"]  # validation ends an epoch
-    done = train_ok([*args, *dirs_args(tmp_path)], tmp_path, nproc=2)
+    done = train_ok([*args, *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert summary["global_step"] == 20 and summary["val_loss"] is not None, (summary, done.stderr[-2000:])
 
@@ -253,7 +253,7 @@ def test_a_ddp_checkpoint_is_converted_for_an_fsdp_run(ddp_run, fsdp_run, tmp_pa
     (tmp_path / "from").mkdir()
     shutil.copy(ddp_run / "checkpoints" / "step-00000015.pt", tmp_path / "from")
     train_ok([*RUN, "--strategy", "fsdp", "--resume", str(tmp_path / "from" / "step-00000015.pt"),
-              *dirs_args(tmp_path)], tmp_path, nproc=2)
+              *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     resumed = fsdp_full_params(tmp_path / "checkpoints")
     reference = fsdp_full_params(fsdp_run / "checkpoints")
     for name in reference:
@@ -329,7 +329,7 @@ def test_export_of_an_fsdp_resnet_loads_into_the_model_torchvision_builds(tmp_pa
 
     train_ok(["--model", "resnet18", "--synthetic-size", "16", "--batch-size", "2", "--max-steps", "2",
               "--strategy", "fsdp", "--activation-checkpointing", "--num-workers", "0", "--val-every", "0",
-              *dirs_args(tmp_path)], tmp_path, nproc=2)
+              *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     done = export(tmp_path / "checkpoints", tmp_path / "model.pt", tmp_path)  # a --checkpoint-dir: its newest
     assert done.returncode == 0, done.stderr
     model = torchvision.models.resnet18(num_classes=10)
@@ -362,15 +362,15 @@ def test_export_of_a_ddp_file_and_of_an_fsdp_directory_give_the_models_weights(d
 # ------------------------------------------------------------------------------- bad input
 
 def test_sync_bn_with_fsdp_is_one_line(tmp_path):
-    result = run_trainer(["--strategy", "fsdp", "--sync-bn", *dirs_args(tmp_path)], tmp_path, timeout=60)
+    result = run_trainer_forked(["--strategy", "fsdp", "--sync-bn", *dirs_args(tmp_path)], tmp_path, timeout=60)
     assert "--strategy ddp" in assert_usage_error(result, "--sync-bn")
     assert not files_under(tmp_path)
 
 
 def test_a_model_without_blocks_is_refused_by_fsdp_before_anything_is_written(tmp_path):
     (tmp_path / "fsdpcode.py").write_text(USER_MODULE)
-    result = run_trainer(["--model", "fsdpcode:flat", "--dataset", "fsdpcode:data", "--strategy", "fsdp",
-                          "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, timeout=60)
+    result = run_trainer_forked(["--model", "fsdpcode:flat", "--dataset", "fsdpcode:data", "--strategy", "fsdp",
+                                 "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, timeout=60)
     assert "fsdp_blocks()" in assert_usage_error(result, "--strategy")
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
 
@@ -382,8 +382,8 @@ def test_a_checkpoint_directory_missing_its_marker_or_a_shard_is_one_line(fsdp_r
     shutil.copytree(fsdp_run / "checkpoints" / "step-00000010", copy)
     gone = copy / (sharded.COMMIT_MARKER if damage == "marker" else "__1_0.distcp")
     gone.unlink()
-    result = run_trainer([*RUN, "--strategy", "fsdp", "--resume", str(copy), *dirs_args(tmp_path)], tmp_path,
-                         timeout=60)
+    result = run_trainer_forked([*RUN, "--strategy", "fsdp", "--resume", str(copy), *dirs_args(tmp_path)], tmp_path,
+                                timeout=60)
     assert str(gone) in assert_usage_error(result, "--resume")
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
 

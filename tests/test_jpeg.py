@@ -24,7 +24,7 @@ from helpers import (
     free_port,
     photo,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     write_jpeg_folder,
 )
 from PIL import Image
@@ -361,8 +361,8 @@ def test_a_bad_file_is_skipped_with_one_warning_naming_it_and_counted(tmp_path, 
     bad = tmp_path / "data" / "train" / "dog" / "1.jpg"
     spoil, reason = BAD_FILES["truncated JPEG"]  # each kind on each path: the test below
     spoil(bad)
-    result = run_trainer([*RUN_FOLDER, "--data-dir", str(tmp_path / "data"), "--decode", decode,
-                          *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([*RUN_FOLDER, "--data-dir", str(tmp_path / "data"), "--decode", decode,
+                                 *dirs_args(tmp_path)], tmp_path)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     warned = [line for line in result.stderr.splitlines() if "does not decode" in line]
     assert len(warned) == 1 and f"WARNING {bad} does not decode (" in warned[0], result.stderr[-3000:]
@@ -410,11 +410,11 @@ def test_a_run_with_a_bad_file_resumes_exactly(tmp_path):
     run = [*RUN_FOLDER, "--data-dir", str(tmp_path / "data"), "--checkpoint-every", "4", "--keep-checkpoints", "10",
            "--augment", "imagenet"]
     whole = tmp_path / "whole"
-    assert run_trainer([*run, *dirs_args(whole)], tmp_path).returncode == 0
+    assert run_trainer_forked([*run, *dirs_args(whole)], tmp_path).returncode == 0
     copy = tmp_path / "from" / "step-00000004.pt"
     copy.parent.mkdir()
     copy.write_bytes((whole / "checkpoints" / copy.name).read_bytes())
-    resumed = run_trainer([*run, "--resume", str(copy), *dirs_args(tmp_path / "resumed")], tmp_path)
+    resumed = run_trainer_forked([*run, "--resume", str(copy), *dirs_args(tmp_path / "resumed")], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_summary(tmp_path / "resumed" / "runs")["resumed_from_step"] == 4
     assert_same_params(final_params(tmp_path / "resumed" / "checkpoints"), final_params(whole / "checkpoints"))

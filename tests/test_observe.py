@@ -198,9 +198,9 @@ def test_every_tracker_gets_the_same_scalars_and_the_run_parameters(tmp_path, mo
 def test_csv_of_a_resumed_run_holds_each_step_once(tmp_path):
     """As TensorBoard's purge_step: the steps a killed run logged after its last checkpoint come anew."""
     args = [*SMALL, "--tracker", "csv", "--checkpoint-every", "4", *dirs_args(tmp_path)]
-    train_ok([*args, "--max-steps", "6"], tmp_path, nproc=None)
+    train_ok([*args, "--max-steps", "6"], tmp_path, forked=True)
     (tmp_path / "checkpoints" / "step-00000006.pt").unlink()  # as if killed after logging step 6
-    train_ok(args, tmp_path, nproc=None)  # resumes from step 4 to STEPS: steps 5 and 6 again
+    train_ok(args, tmp_path, forked=True)  # resumes from step 4 to STEPS: steps 5 and 6 again
     with (tmp_path / "runs" / "metrics.csv").open(newline="") as f:
         rows = [(int(r["step"]), r["tag"]) for r in csv.DictReader(f)]
     assert len(rows) == len(set(rows))
@@ -220,7 +220,7 @@ def test_a_tracker_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path
     dead = f"http://127.0.0.1:{_closed_port()}"
     result = train_ok([*SMALL, "--tracker", "tensorboard,mlflow", *dirs_args(tmp_path)], tmp_path,
                       env={"MLFLOW_TRACKING_URI": dead, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-                           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
+                           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}, forked=True)
     warnings = [line for line in result.stderr.splitlines() if "mlflow: cannot start" in line]
     assert len(warnings) == 1, result.stderr[-3000:]
     assert read_summary(tmp_path / "runs")["status"] == "completed"

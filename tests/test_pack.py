@@ -12,7 +12,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import assert_usage_error, clean_env, dirs_args, read_summary, run_trainer, train_ok, write_jpeg_folder
+from helpers import (
+    assert_usage_error,
+    clean_env,
+    dirs_args,
+    read_summary,
+    run_trainer_forked,
+    train_ok,
+    write_jpeg_folder,
+)
 
 from trainer.cluster.topology import WORKER, resolve
 from trainer.config.settings import load_config
@@ -170,13 +178,13 @@ def index_off_its_data(root):
                          ids=["truncated", "another version", "index not matching its data"])
 def test_a_damaged_pack_is_one_line_naming_the_file_before_training(packed, tmp_path, damage):
     path, problem = damage(packed)
-    result = run_trainer(["--model", "cnn", "--dataset", "packed", "--data-dir", str(packed), "--image-size", "32",
-                          "--batch-size", "3", *dirs_args(tmp_path / "run")], tmp_path)
+    result = run_trainer_forked(["--model", "cnn", "--dataset", "packed", "--data-dir", str(packed), "--image-size", "32",
+                                 "--batch-size", "3", *dirs_args(tmp_path / "run")], tmp_path)
     line = assert_usage_error(result, "--data-dir")
     assert str(path) in line and problem in line and "re-pack" in line, line
     assert not (tmp_path / "run").exists()  # before training: nothing written
 
 
 def test_packed_without_a_pack_says_how_to_make_one(tmp_path):
-    result = run_trainer(["--dataset", "packed", "--data-dir", str(tmp_path)], tmp_path)
+    result = run_trainer_forked(["--dataset", "packed", "--data-dir", str(tmp_path)], tmp_path)
     assert "trainer-pack SRC" in assert_usage_error(result, "--data-dir")

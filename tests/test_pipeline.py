@@ -208,7 +208,7 @@ def finished(tmp_path_factory, name: str, layout: list[str], nproc: int) -> Path
     """The run of 20 steps at a layout, checkpointed at steps 10 and 20."""
     root = tmp_path_factory.mktemp(name)
     train_ok([*PIPELINE_RUN, *layout, "--checkpoint-every", "10", *dirs_args(root)], root, nproc=nproc,
-             env=ONE_THREAD)
+             env=ONE_THREAD, forked=True)
     return root
 
 
@@ -245,7 +245,7 @@ def test_a_mid_epoch_checkpoint_resumes_at_any_layout_bit_identical(request, tmp
     copy = tmp_path / "from" / name
     (shutil.copytree if (source / name).is_dir() else shutil.copy)(source / name, copy)
     train_ok([*PIPELINE_RUN, *resume, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=nproc,
-             env=ONE_THREAD)
+             env=ONE_THREAD, forked=True)
     resumed = model_state(list_checkpoints(tmp_path / "checkpoints")[0])
     reference = model_state(list_checkpoints(request.getfixturevalue(expected) / "checkpoints")[0])
     different = [key for key in reference if not torch.equal(resumed[key], reference[key])]
@@ -254,31 +254,35 @@ def test_a_mid_epoch_checkpoint_resumes_at_any_layout_bit_identical(request, tmp
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
-def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_accumulating(accumulated, tmp_path,
-                                                                                         schedule):
+def test_the_built_in_loop_at_two_stages_trains_bit_identical_to_one_process_accumulating(accumulated, request,
+                                                                                         tmp_path, schedule):
     """Issue 42's goal at P = 2: the weights after 20 steps (each of 16 samples, cut into 4 pipeline micro-batches)
     are those of one process accumulating the same micro-batches, bit for bit; the checkpoint is the unsplit
     model's state dict (a DCP directory of both stages' parts), which trainer-export writes as one plain state dict;
     the loss falls; one summary.json."""
-    train_ok([*PIPELINE_RUN, *TWO_STAGES, "--pipeline-schedule", schedule, *dirs_args(tmp_path)], tmp_path, nproc=2,
-             env=ONE_THREAD)
-    staged = sharded.full_model_state(list_checkpoints(tmp_path / "checkpoints")[0])
+    if schedule == "1f1b":  # the `staged` fixture's run is this one (1f1b is the default; its step-10 checkpoint aside)
+        run = request.getfixturevalue("staged")
+    else:
+        run = tmp_path
+        train_ok([*PIPELINE_RUN, *TWO_STAGES, "--pipeline-schedule", schedule, *dirs_args(run)], tmp_path, nproc=2,
+                 env=ONE_THREAD, forked=True)
+    staged = sharded.full_model_state(list_checkpoints(run / "checkpoints")[0])
     reference = final_params(accumulated / "checkpoints")
     assert set(staged) == set(reference)
     different = [name for name in reference if not torch.equal(staged[name], reference[name])]
     assert not different, different
     if schedule == "1f1b":  # trainer-export: the stages' directory as the whole model's plain state dict
         exported = tmp_path / "model.pt"
-        done = subprocess.run([sys.executable, "-m", "trainer.cli.export", str(tmp_path / "checkpoints"),
+        done = subprocess.run([sys.executable, "-m", "trainer.cli.export", str(run / "checkpoints"),
                                str(exported)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
         assert done.returncode == 0, done.stderr[-3000:]
         plain = torch.load(exported, weights_only=True)
         assert set(plain) == set(reference) and all(torch.equal(plain[name], reference[name]) for name in reference)
-    summary, expected = read_summary(tmp_path / "runs"), read_summary(accumulated / "runs")
+    summary, expected = read_summary(run / "runs"), read_summary(accumulated / "runs")
     assert summary["global_step"] == 20 and summary["samples_seen"] == expected["samples_seen"] == 320
     # The logged loss: the pipeline's sums its micro-batches' shares, the accumulation averages them (float rounding).
-    losses = [value for _, value in read_scalars(tmp_path / "runs")["Loss/train"]]
+    losses = [value for _, value in read_scalars(run / "runs")["Loss/train"]]
     assert losses == pytest.approx([value for _, value in read_scalars(accumulated / "runs")["Loss/train"]],
                                    rel=1e-6)
     assert losses[-1] < losses[0], losses
@@ -296,17 +300,17 @@ def test_fsdp_over_the_replicas_of_two_stages_trains_and_validates_as_one_proces
     # 325 samples: 20 steps of 16, and 65 to validate, 33 on one replica (5 batches of 8) and 32 on the other (4).
     epoch = ["--synthetic-size", "325", "--val-every", "1", "--lr", "0.05"]
     roots = {name: tmp_path / name for name in ("one", "fsdp")}
-    train_ok([*PIPELINE_RUN, *epoch, *ONE_PROCESS, *dirs_args(roots["one"])], tmp_path, nproc=1, env=ONE_THREAD)
+    train_ok([*PIPELINE_RUN, *epoch, *ONE_PROCESS, *dirs_args(roots["one"])], tmp_path, nproc=1, env=ONE_THREAD, forked=True)
     train_ok([*PIPELINE_RUN, *epoch, "--batch-size", "8", "--pipeline-stages", "2", "--pipeline-microbatches", "2",
               "--strategy", "fsdp", "--checkpoint-every", "10", *dirs_args(roots["fsdp"])], tmp_path, nproc=4,
-             env=ONE_THREAD)
+             env=ONE_THREAD, forked=True)
     # Its step-10 directory of shards, resumed at two stages of one replica (ddp): another layout, the same run.
     middle = next(path for path in (roots["fsdp"] / "checkpoints").iterdir() if path.name.startswith("step-00000010"))
     (tmp_path / "from").mkdir()
     shutil.copytree(middle, tmp_path / "from" / middle.name)
     roots["resumed"] = tmp_path / "resumed"
     train_ok([*PIPELINE_RUN, *epoch, *TWO_STAGES, "--resume", str(tmp_path / "from" / middle.name),
-              *dirs_args(roots["resumed"])], tmp_path, nproc=2, env=ONE_THREAD)
+              *dirs_args(roots["resumed"])], tmp_path, nproc=2, env=ONE_THREAD, forked=True)
     one, sharded_run, resumed = (model_state(list_checkpoints(root / "checkpoints")[0]) for root in roots.values())
     assert set(one) == set(sharded_run) == set(resumed)
     for name, value in one.items():
@@ -331,7 +335,7 @@ def test_the_recipe_at_two_stages_clips_by_the_whole_models_norm_and_mixes_alike
     # loop micro-batch is the 16 (the pipeline's four are cut after the mix).
     for name, layout, nproc in (("one", ["--batch-size", "16"], 1), ("staged", TWO_STAGES, 2)):
         root = tmp_path / name
-        train_ok([*PIPELINE_RUN, *layout, *clip, *dirs_args(root)], tmp_path, nproc=nproc, env=ONE_THREAD)
+        train_ok([*PIPELINE_RUN, *layout, *clip, *dirs_args(root)], tmp_path, nproc=nproc, env=ONE_THREAD, forked=True)
         state = list_checkpoints(root / "checkpoints")[0]
         runs[name] = (model_state(state), [value for _, value in read_scalars(root / "runs")["Grad/norm"]])
     (one, one_norms), (staged, staged_norms) = runs["one"], runs["staged"]

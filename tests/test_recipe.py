@@ -26,7 +26,7 @@ from helpers import (
     mid_epoch_copy,
     read_scalars,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     train_ok,
 )
 
@@ -51,7 +51,7 @@ EVERYTHING = ["--model", "cnn", "--synthetic-size", "640", "--batch-size", "8", 
 @pytest.fixture(scope="module")
 def everything_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("everything")
-    train_ok([*EVERYTHING, *dirs_args(root)], root, nproc=2)
+    train_ok([*EVERYTHING, *dirs_args(root)], root, nproc=2, forked=True)
     return root
 
 
@@ -67,7 +67,7 @@ def test_everything_on_resumed_mid_epoch_at_two_processes_ends_bit_identical(eve
     checkpoint ends with the uninterrupted run's model, optimizer and EMA, bit for bit."""
     copy = mid_epoch_copy(everything_run, tmp_path, step, STEPS_PER_EPOCH)
 
-    resumed_run = train_ok([*EVERYTHING, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    resumed_run = train_ok([*EVERYTHING, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     # The EMA's line says what it does from here: the warm-up (10 steps) is behind a run resumed at step 25 or 50.
     assert (f"every update averages (resumed at step {step}, past the LR warm-up's 10 steps)\n"
             in resumed_run.stderr), resumed_run.stderr[-3000:]
@@ -95,7 +95,7 @@ def test_an_image_folder_with_the_policy_in_its_workers_and_repeats_resumes_bit_
            "--ra-sampler", "--ra-reps", "2", "--model-ema", "--model-ema-steps", "2", "--warmup-steps", "1",
            "--checkpoint-every", "4", "--keep-checkpoints", "10", "--val-every", "2"]
     (tmp_path / "through").mkdir()
-    through = train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through")
+    through = train_ok([*run, *dirs_args(tmp_path / "through")], tmp_path / "through", forked=True)
     assert read_summary(tmp_path / "through" / "runs")["global_step"] == 12  # 24 samples, 4 a step, 2 epochs
     # --augment auto's choice, in the start line: the light policy for crops this small, not the reference's crop.
     assert "12 steps, 6 per epoch; augment light (auto: 32 px crops are below 128): a padded random crop + flip, " \
@@ -105,7 +105,7 @@ def test_an_image_folder_with_the_policy_in_its_workers_and_repeats_resumes_bit_
     copy.parent.mkdir()
     shutil.copy(tmp_path / "through" / "checkpoints" / copy.name, copy)
     (tmp_path / "resumed").mkdir()
-    train_ok([*run, "--resume", str(copy), *dirs_args(tmp_path / "resumed")], tmp_path / "resumed")
+    train_ok([*run, "--resume", str(copy), *dirs_args(tmp_path / "resumed")], tmp_path / "resumed", forked=True)
     resumed, through = newest(tmp_path / "resumed" / "checkpoints"), newest(tmp_path / "through" / "checkpoints")
     for name in ("model", "optimizer", "model_ema"):
         assert_identical(resumed[name], through[name], name)
@@ -203,7 +203,7 @@ def test_the_ema_after_n_steps_is_averaged_models_on_the_same_sequence(tmp_path)
     done = train_ok(["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "4",
                      "--max-steps", "10", "--warmup-steps", "3", "--model-ema", "--model-ema-steps", "2",
                      "--model-ema-decay", "0.999", "--checkpoint-every", "1", "--keep-checkpoints", "20",
-                     "--val-every", "0", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+                     "--val-every", "0", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, forked=True)
     assert "--model-ema: an average of the weights every 2 steps, decay 0.992 (0.999 adjusted for a global batch of " \
            "16 over 4 epochs); updates up to step 3 (the LR warm-up) copy the weights\n" in done.stderr, done.stderr
     states = {step: load_checkpoint(tmp_path / "checkpoints" / f"step-{step:08d}.pt") for step in range(1, 11)}
@@ -260,7 +260,7 @@ def test_parameter_groups_are_the_references(tmp_path):
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         root.mkdir()
         train_ok(["--model", "resnet18", "--synthetic-size", "16", "--batch-size", "4", "--max-steps", "1",
-                  "--val-every", "0", "--num-workers", "0", *flags, *dirs_args(root)], root)
+                  "--val-every", "0", "--num-workers", "0", *flags, *dirs_args(root)], root, forked=True)
         saved = newest(root / "checkpoints")["optimizer"]
         return [(group["weight_decay"], [tuple(saved["state"][i]["momentum_buffer"].shape) for i in group["params"]])
                 for group in saved["param_groups"]]
@@ -294,7 +294,7 @@ def test_fsdp_with_clipping_agrees_with_ddp_with_clipping(tmp_path):
            "--num-workers", "0"]
     for strategy in ("ddp", "fsdp"):
         (tmp_path / strategy).mkdir()
-        train_ok([*run, "--strategy", strategy, *dirs_args(tmp_path / strategy)], tmp_path / strategy, nproc=2)
+        train_ok([*run, "--strategy", strategy, *dirs_args(tmp_path / strategy)], tmp_path / strategy, nproc=2, forked=True)
     ddp, fsdp = (read_scalars(tmp_path / s / "runs")["Grad/norm"] for s in ("ddp", "fsdp"))
     assert [s for s, _ in ddp] == [s for s, _ in fsdp] == list(range(1, 13))
     assert min(v for _, v in ddp) > 0.05  # every step clipped
@@ -314,10 +314,10 @@ def test_an_ema_starts_from_resumed_weights_and_one_left_off_is_kept_untouched(t
     line. That checkpoint (with an EMA) resumed without --model-ema: the EMA is carried along as it was."""
     base = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "1", "--val-every", "0",
             "--num-workers", "0", "--warmup-steps", "0", *dirs_args(tmp_path)]
-    train_ok([*base, "--max-steps", "4"], tmp_path)
+    train_ok([*base, "--max-steps", "4"], tmp_path, forked=True)
     plain = newest(tmp_path / "checkpoints")
     assert "model_ema" not in plain
-    started = train_ok([*base, "--max-steps", "6", "--model-ema", "--model-ema-steps", "100"], tmp_path)
+    started = train_ok([*base, "--max-steps", "6", "--model-ema", "--model-ema-steps", "100"], tmp_path, forked=True)
     said = [line for line in started.stderr.splitlines() if "holds no average of the weights" in line]
     assert len(said) == 1 and "step-00000004.pt" in said[0], started.stderr[-3000:]
     assert "every update averages (no LR warm-up)\n" in started.stderr, started.stderr[-3000:]  # --warmup-steps 0
@@ -329,7 +329,7 @@ def test_an_ema_starts_from_resumed_weights_and_one_left_off_is_kept_untouched(t
                               "step-00000004.pt"), str(tmp_path / "ema.pt")], env=clean_env(), capture_output=True,
                              text=True, timeout=120)
     assert "holds no average of the weights" in assert_usage_error(refused, "--ema")
-    train_ok([*base, "--max-steps", "8"], tmp_path)
+    train_ok([*base, "--max-steps", "8"], tmp_path, forked=True)
     kept = newest(tmp_path / "checkpoints")
     assert kept["global_step"] == 8
     assert_identical(kept["model_ema"], with_ema["model_ema"], "model_ema")
@@ -480,7 +480,7 @@ def test_the_references_schedule_flags_train_each_epoch_at_the_rate_of_torchs_se
     epoch trains at the rate the reference's SequentialLR(LinearLR or ConstantLR, StepLR, CosineAnnealingLR or
     ExponentialLR) holds in that epoch (the warm-up's whole first epoch at --lr-warmup-decay x lr). Before: the
     flags were unknown (exit 2), and the mapped --warmup-steps rose every step from lr/N."""
-    train_ok([*SCHEDULE_RUN, *flags, *dirs_args(tmp_path)], tmp_path, env=environment)
+    train_ok([*SCHEDULE_RUN, *flags, *dirs_args(tmp_path)], tmp_path, env=environment, forked=True)
     expected = references_lr_by_epoch(6, 0.05, **reference)
     logged = logged_rates(tmp_path / "runs")  # after step S: the rate of the step after it
     assert sorted(logged) == list(range(1, 6 * SCHEDULE_STEPS_PER_EPOCH + 1))
@@ -498,9 +498,9 @@ def test_the_references_schedule_resumed_mid_epoch_ends_bit_identical_and_the_em
            "linear", "--checkpoint-every", "6", "--keep-checkpoints", "10", "--model-ema", "--model-ema-steps", "1"]
     through = tmp_path / "through"
     through.mkdir()
-    train_ok([*run, *dirs_args(through)], through)
+    train_ok([*run, *dirs_args(through)], through, forked=True)
     copy = mid_epoch_copy(through, tmp_path, 6, SCHEDULE_STEPS_PER_EPOCH)  # epoch 1, the warm-up's second
-    train_ok([*run, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path)
+    train_ok([*run, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, forked=True)
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == 6
     resumed, uninterrupted = newest(tmp_path / "checkpoints"), newest(through / "checkpoints")
     for name in ("model", "optimizer", "scheduler", "model_ema"):
@@ -563,7 +563,7 @@ RECIPE_BAD_INPUT = {
 @pytest.mark.parametrize("args, setting, words", RECIPE_BAD_INPUT.values(), ids=RECIPE_BAD_INPUT.keys())
 def test_recipe_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, setting, words):
     (tmp_path / "recipedata.py").write_text(USER_DATA)
-    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", *args,
-                          *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
+    result = run_trainer_forked(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", *args,
+                                 *dirs_args(tmp_path)], tmp_path, timeout=BAD_INPUT_TIMEOUT_S)
     assert words in assert_usage_error(result, setting)
     assert {p for p in files_under(tmp_path) if "__pycache__" not in p.parts} == {Path("recipedata.py")}

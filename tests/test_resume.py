@@ -24,31 +24,32 @@ from helpers import (
     mid_epoch_copy,
     read_scalars,
     read_summary,
-    run_trainer,
+    run_trainer_forked,
     train_ok,
     trainer_command,
 )
 
-STEPS_PER_EPOCH = 1600 // (2 * 8)
+STEPS_PER_EPOCH = 800 // (2 * 8)
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH
-# Two epochs of 2 processes x 8 samples, a checkpoint every 30 steps (all kept): 30, 60, 90 are in
-# epoch 0, 100 ends it, 120, 150, 180 are in epoch 1.
-RUN = ["--model", "cnn", "--synthetic-size", "1600", "--batch-size", "8", "--epochs", "2", "--lr", "0.05",
-       "--warmup-steps", "10", "--checkpoint-every", "30", "--keep-checkpoints", "20", "--log-every", "10",
-       "--num-workers", "0"]
+CHECKPOINT_EVERY = 15
+# Two epochs of 2 processes x 8 samples, a checkpoint every 15 steps (all kept): 15, 30, 45 are in
+# epoch 0, 50 ends it, 60, 75, 90 are in epoch 1. (Twice as many steps showed nothing more, at twice the time.)
+RUN = ["--model", "cnn", "--synthetic-size", "800", "--batch-size", "8", "--epochs", "2", "--lr", "0.05",
+       "--warmup-steps", "10", "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-checkpoints", "20",
+       "--log-every", "10", "--num-workers", "0"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return finished_run(tmp_path_factory.mktemp("uninterrupted"), RUN, TOTAL_STEPS)
+    return finished_run(tmp_path_factory.mktemp("uninterrupted"), RUN, TOTAL_STEPS, forked=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [30, 150], ids=["epoch-0", "epoch-1"])
+@pytest.mark.parametrize("step", [30, 75], ids=["epoch-0", "epoch-1"])
 def test_resume_from_a_mid_epoch_checkpoint(uninterrupted, tmp_path, step):
     copy = mid_epoch_copy(uninterrupted, tmp_path, step, STEPS_PER_EPOCH)
 
-    train_ok([*RUN, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    train_ok([*RUN, "--resume", str(copy), *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert (summary["resumed_from_step"], summary["global_step"]) == (step, TOTAL_STEPS)
     assert summary["status"] == "completed"
@@ -75,10 +76,10 @@ def test_sigterm_mid_training_then_rerun_resumes_exactly(uninterrupted, tmp_path
     stopped = read_summary(tmp_path / "runs")
     assert stopped["status"] == "stopped", stderr[-3000:]
     stop_step = stopped["global_step"]
-    assert 30 <= stop_step < TOTAL_STEPS
+    assert CHECKPOINT_EVERY <= stop_step < TOTAL_STEPS
     assert max(checkpoint_steps(checkpoints)) == stop_step  # the graceful stop committed its step
 
-    train_ok([*RUN, *dirs_args(tmp_path)], tmp_path, nproc=2)  # the same command: --resume auto
+    train_ok([*RUN, *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)  # the same command: --resume auto
     summary = read_summary(tmp_path / "runs")
     assert (summary["status"], summary["global_step"]) == ("completed", TOTAL_STEPS)
     assert summary["resumed_from_step"] == stop_step
@@ -88,8 +89,8 @@ def test_sigterm_mid_training_then_rerun_resumes_exactly(uninterrupted, tmp_path
 
 def test_checkpoint_of_another_model_is_refused(uninterrupted, tmp_path):
     cnn_checkpoint = uninterrupted / "checkpoints" / "step-00000030.pt"
-    result = run_trainer(["--model", "autoencoder", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
-                          "--resume", str(cnn_checkpoint), "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked(["--model", "autoencoder", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
+                                 "--resume", str(cnn_checkpoint), "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
     line = assert_usage_error(result, "--resume")
     assert "cnn" in line and "autoencoder" in line
     assert not (tmp_path / "checkpoints").exists()
@@ -101,7 +102,7 @@ def test_resume_never_sets_another_runs_checkpoints_aside_and_starts_afresh(unin
     shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").glob("step-*")}
     result = train_ok(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "2",
-                       "--resume", "never", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+                       "--resume", "never", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, forked=True)
     aside, = (tmp_path / "checkpoints").glob("abandoned-after-step-00000000-*")
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
     said = [line for line in result.stderr.splitlines() if "set aside" in line]
@@ -119,16 +120,16 @@ def test_resume_auto_after_a_rollback_follows_the_rollback_not_the_abandoned_fut
            "--checkpoint-every", "10", "--num-workers", "0", "--lr-schedule", "constant", "--warmup-steps", "0",
            *dirs_args(tmp_path)]  # a schedule that --max-steps does not stretch: the lines can end alike
     checkpoints = tmp_path / "checkpoints"
-    train_ok([*run, "--max-steps", "40", "--keep-checkpoints", "10"], tmp_path)
+    train_ok([*run, "--max-steps", "40", "--keep-checkpoints", "10"], tmp_path, forked=True)
     abandoned = {p.name: p.read_bytes() for p in checkpoints.glob("step-*") if int(p.stem.split("-")[1]) > 20}
     assert sorted(abandoned) == ["step-00000030.pt", "step-00000032.pt", "step-00000040.pt"]
-    rollback = train_ok([*run, "--max-steps", "25", "--resume", str(checkpoints / "step-00000020.pt")], tmp_path)
+    rollback = train_ok([*run, "--max-steps", "25", "--resume", str(checkpoints / "step-00000020.pt")], tmp_path, forked=True)
     aside, = checkpoints.glob("abandoned-after-step-00000020-*")
     said = [line for line in rollback.stderr.splitlines() if "set aside" in line]
     assert len(said) == 1 and "goes back to step 20: the 3 checkpoint(s) above it" in said[0], rollback.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == abandoned
     assert checkpoint_steps(checkpoints) == [16, 20, 25]  # the rotation kept the rollback's own
-    later = train_ok([*run, "--max-steps", "40"], tmp_path)  # --resume auto
+    later = train_ok([*run, "--max-steps", "40"], tmp_path, forked=True)  # --resume auto
     assert f"resuming from {checkpoints}/step-00000025.pt" in later.stderr, later.stderr[-3000:]
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == 25
     assert_same_params(final_params(checkpoints), load_checkpoint(aside / "step-00000040.pt")["model"])
@@ -156,7 +157,7 @@ def test_the_fix_the_wrong_model_error_names_works(uninterrupted, tmp_path):
 
 def test_resume_never_starts_fresh(tmp_path):
     train_ok(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "2", "--resume", "never",
-              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path)
+              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert (summary["resumed_from_step"], summary["global_step"]) == (None, 2)
 
@@ -164,13 +165,13 @@ def test_resume_never_starts_fresh(tmp_path):
 def test_a_finished_run_started_again_changes_nothing(tmp_path):
     """`docker compose up` after the job completed: nothing trains, the summary and checkpoints stay."""
     run = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", *dirs_args(tmp_path)]
-    train_ok([*run, "--epochs", "2"], tmp_path)
+    train_ok([*run, "--epochs", "2"], tmp_path, forked=True)
     summary = (tmp_path / "runs" / "summary.json").read_bytes()
     checkpoints = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "checkpoints").iterdir()}
     logs = {p.relative_to(tmp_path): (p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "runs").rglob("*")}
     events = [p for p in logs if p.name.startswith("events.out.tfevents.")]
     assert events, sorted(logs)
-    again = train_ok([*run, "--epochs", "2"], tmp_path)
+    again = train_ok([*run, "--epochs", "2"], tmp_path, forked=True)
     # The one wording of a finished run started again, a script's too (tests/test_api.py).
     assert (f"nothing to do: {tmp_path / 'checkpoints' / 'step-00000008.pt'} is at step 8 of 8, the run's end "
             "(raise --epochs or --max-steps to train on)") in again.stderr, again.stderr[-3000:]
@@ -179,7 +180,7 @@ def test_a_finished_run_started_again_changes_nothing(tmp_path):
     # TensorBoard's events (and everything else in the log directory): no new file, none written to.
     assert {p.relative_to(tmp_path): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in (tmp_path / "runs").rglob("*")} == logs
-    longer = train_ok([*run, "--epochs", "3"], tmp_path)  # more epochs: it trains on from step 8
+    longer = train_ok([*run, "--epochs", "3"], tmp_path, forked=True)  # more epochs: it trains on from step 8
     assert "resuming from" in longer.stderr and read_summary(tmp_path / "runs")["global_step"] == 12
 
 
@@ -193,9 +194,9 @@ def test_a_resume_applies_a_changed_lr_weight_decay_momentum_schedule_and_warmup
     values are applied, the schedule goes on from the new base rate at the checkpoint's step, one line says so."""
     from trainer.engine.optim import lr_factor
 
-    train_ok([*CHANGED, "--lr", "0.1", "--warmup-steps", "4", "--max-steps", "8", *dirs_args(tmp_path)], tmp_path)
+    train_ok([*CHANGED, "--lr", "0.1", "--warmup-steps", "4", "--max-steps", "8", *dirs_args(tmp_path)], tmp_path, forked=True)
     resumed = train_ok([*CHANGED, "--lr", "0.01", "--weight-decay", "0", "--momentum", "0.5", "--warmup-steps", "0",
-                        "--lr-schedule", "step", *dirs_args(tmp_path)], tmp_path)
+                        "--lr-schedule", "step", *dirs_args(tmp_path)], tmp_path, forked=True)
     lines = [line for line in resumed.stderr.splitlines() if "settings changed since" in line]
     assert len(lines) == 1, resumed.stderr[-3000:]
     assert lines[0].endswith("settings changed since step-00000008.pt, applied: --lr 0.1 -> 0.01, --momentum 0.9 -> "
@@ -209,16 +210,16 @@ def test_a_resume_applies_a_changed_lr_weight_decay_momentum_schedule_and_warmup
     assert (decay["weight_decay"], decay["momentum"], no_decay["weight_decay"]) == (0.0, 0.5, 0.0)
     assert final["scheduler"]["base_lrs"] == [0.01, 0.01]
     again = train_ok([*CHANGED, "--lr", "0.01", "--weight-decay", "0", "--momentum", "0.5", "--warmup-steps", "0",
-                      "--lr-schedule", "step", "--epochs", "3", *dirs_args(tmp_path)], tmp_path)
+                      "--lr-schedule", "step", "--epochs", "3", *dirs_args(tmp_path)], tmp_path, forked=True)
     assert "settings changed" not in again.stderr  # the same settings again: nothing to say
 
 
 def test_a_resume_onto_the_references_per_epoch_schedule_applies_it_from_the_checkpoints_step_and_says_so(tmp_path):
     """A run on the per-step schedule resumed with the reference's --lr-scheduler: its per-epoch rates from the
     checkpoint's step on (epoch 1 of 16 steps each at lr x gamma), the line naming what was unset before."""
-    train_ok([*CHANGED, "--max-steps", "8", *dirs_args(tmp_path)], tmp_path)
+    train_ok([*CHANGED, "--max-steps", "8", *dirs_args(tmp_path)], tmp_path, forked=True)
     resumed = train_ok([*CHANGED, "--lr-scheduler", "steplr", "--lr-step-size", "1", "--lr-gamma", "0.5",
-                        *dirs_args(tmp_path)], tmp_path)
+                        *dirs_args(tmp_path)], tmp_path, forked=True)
     assert "applied: --lr-scheduler unset -> steplr, --lr-step-size 30 -> 1, --lr-gamma 0.1 -> 0.5 (the schedule " \
         "goes on from step 8 with them)" in resumed.stderr, resumed.stderr[-3000:]
     logged = dict(read_scalars(tmp_path / "runs")["lr"])
@@ -233,14 +234,14 @@ def test_a_changed_lr_on_a_checkpoint_that_does_not_record_its_settings_is_refus
     schedule's own moves: a changed --lr is refused in one line naming the way on, not ignored."""
     import torch
 
-    train_ok([*CHANGED, "--lr", "0.1", "--max-steps", "8", *dirs_args(tmp_path)], tmp_path)
+    train_ok([*CHANGED, "--lr", "0.1", "--max-steps", "8", *dirs_args(tmp_path)], tmp_path, forked=True)
     path = tmp_path / "checkpoints" / "step-00000008.pt"
     state = load_checkpoint(path)
     del state["hyperparameters"]
     torch.save(state, path)
-    result = run_trainer([*CHANGED, "--lr", "0.01", *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([*CHANGED, "--lr", "0.01", *dirs_args(tmp_path)], tmp_path)
     line = assert_usage_error(result, "--lr")
     assert "0.01 on resume, and " in line and "was trained with 0.1 (resume with --lr 0.1 until it commits a " \
         "checkpoint, then change it" in line, line
-    same = train_ok([*CHANGED, "--lr", "0.1", "--max-steps", "10", *dirs_args(tmp_path)], tmp_path)
+    same = train_ok([*CHANGED, "--lr", "0.1", "--max-steps", "10", *dirs_args(tmp_path)], tmp_path, forked=True)
     assert "settings changed" not in same.stderr and read_summary(tmp_path / "runs")["global_step"] == 10

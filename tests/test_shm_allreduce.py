@@ -14,7 +14,7 @@ USED = "gradients are all-reduced through shared memory"
 def train_both_ways(tmp_path, nproc: int, extra: list[str]) -> tuple[dict, dict]:
     params = {}
     for shm in ("true", "false"):
-        result = train_ok([*RUN, *extra, "--shm-allreduce", shm, *dirs_args(tmp_path / shm)], tmp_path, nproc=nproc)
+        result = train_ok([*RUN, *extra, "--shm-allreduce", shm, *dirs_args(tmp_path / shm)], tmp_path, nproc=nproc, forked=True)
         assert (USED in result.stderr) == (shm == "true"), result.stderr[-2000:]
         params[shm] = final_params(tmp_path / shm / "checkpoints")
     return params["true"], params["false"]
@@ -56,7 +56,7 @@ def test_fsdp_gathers_and_reduce_scatters_through_shared_memory_train_as_through
     for shm in ("true", "false"):
         args = [*RUN, "--strategy", "fsdp", "--checkpoint-every", "3", *extra, "--shm-allreduce", shm,
                 *dirs_args(tmp_path / shm)]
-        result = train_ok(args, tmp_path, nproc=nproc)
+        result = train_ok(args, tmp_path, nproc=nproc, forked=True)
         assert (FSDP_USED in result.stderr) == (shm == "true"), result.stderr[-2000:]
         newest = checkpoint.list_checkpoints(tmp_path / shm / "checkpoints")[0]
         params[shm] = sharded.full_model_state(newest)

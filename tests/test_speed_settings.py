@@ -127,7 +127,8 @@ def test_bf16_trains_under_autocast_on_the_cpu_and_fp16_falls_back_to_fp32(tmp_p
     runs = {}
     for amp in ("off", "bf16", "fp16"):
         # One process (CI's time): autocast is per process; bf16 across processes is tests/test_shm_allreduce.py's.
-        result = train_ok([*AMP_RUN, "--amp", amp, *dirs_args(tmp_path / amp)], tmp_path, nproc=1)
+        # Forked from the interpreter that imported torch once: three runs, one import.
+        result = train_ok([*AMP_RUN, "--amp", amp, *dirs_args(tmp_path / amp)], tmp_path, forked=True)
         runs[amp] = (result.stderr, final_params(tmp_path / amp / "checkpoints"))
     fp32, bf16, fp16 = (params for _, params in runs.values())
     # bf16 matmuls and convolutions round to 8 bits of mantissa: the run takes another path, and still learns.
@@ -148,7 +149,7 @@ def test_local_sgd_resumes_exactly_from_a_local_step(local_sgd_run, tmp_path):
     checkpoint = tmp_path / "from" / "step-00000054.pt"
     checkpoint.parent.mkdir()
     shutil.copy(local_sgd_run / "checkpoints" / checkpoint.name, checkpoint)
-    train_ok([*LOCAL_SGD, "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path, nproc=2)
+    train_ok([*LOCAL_SGD, "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     assert read_summary(tmp_path / "runs")["resumed_from_step"] == 54
     # Equal only if every rank held rank 0's parameters and momentum at step 54, and the schedule of
     # local steps and averages was taken up at the same step.
@@ -157,7 +158,7 @@ def test_local_sgd_resumes_exactly_from_a_local_step(local_sgd_run, tmp_path):
 
 @pytest.mark.slow
 def test_local_sgd_trains_differently_but_still_learns(local_sgd_run, tmp_path):
-    train_ok([*LOCAL_SGD, "--local-sgd-period", "0", *dirs_args(tmp_path)], tmp_path, nproc=2)
+    train_ok([*LOCAL_SGD, "--local-sgd-period", "0", *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     local, every_step = read_summary(local_sgd_run / "runs"), read_summary(tmp_path / "runs")
     assert max_param_difference(final_params(local_sgd_run / "checkpoints"), final_params(tmp_path / "checkpoints")) > 1e-4
     assert local["val_acc1"] > 0.5 and every_step["val_acc1"] > 0.5  # chance is 0.1

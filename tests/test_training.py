@@ -77,7 +77,7 @@ def check_two_process_run(root, steps: int, batch_size: int, reconstruction: boo
 def test_two_process_run_of_each_model(tmp_path, model):
     args, steps = MODEL_RUNS[model]
     train_ok([*args, "--epochs", "1", "--log-every", "1", "--checkpoint-every", "1", "--keep-checkpoints", "2",
-              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, nproc=2)
+              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = check_two_process_run(tmp_path, steps, batch_size=4, reconstruction=False)
     assert (summary["model"], summary["dataset"]) == (model, "synthetic")
 
@@ -87,7 +87,7 @@ def test_two_process_autoencoder_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "data", train_size=48, test_size=12)
     train_ok(["--model", "autoencoder", "--dataset", "mnist", "--data-dir", str(tmp_path / "data"),
               "--batch-size", "4", "--epochs", "1", "--log-every", "1", "--checkpoint-every", "1",
-              "--keep-checkpoints", "2", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, nproc=2)
+              "--keep-checkpoints", "2", "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = check_two_process_run(tmp_path, steps=48 // 8, batch_size=4, reconstruction=True)
     assert (summary["model"], summary["dataset"]) == ("autoencoder", "mnist")
     # The decoder's output layer is sized by the data: 1 x 28 x 28 pixels.
@@ -97,7 +97,7 @@ def test_two_process_autoencoder_on_mnist_files(tmp_path):
 def test_small_cnn_learns_synthetic_data(tmp_path):
     train_ok(["--model", "cnn", "--synthetic-size", "1024", "--batch-size", "32", "--epochs", "3",
               "--lr", "0.05", "--warmup-steps", "10", "--checkpoint-every", "0", "--num-workers", "0",
-              *dirs_args(tmp_path)], tmp_path)
+              *dirs_args(tmp_path)], tmp_path, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert summary["global_step"] == 3 * (1024 // 32)
     assert summary["val_acc1"] > 0.5  # chance is 0.1
@@ -116,8 +116,8 @@ def test_world_size_invariance(tmp_path):
               "--lr", "0.05", "--warmup-steps", "0", "--val-every", "0", "--num-workers", "0"]
     one, two = tmp_path / "one", tmp_path / "two"
     train_ok([*common, "--batch-size", "64", "--checkpoint-every", "10", "--keep-checkpoints", "2",
-              *dirs_args(one)], tmp_path, nproc=1)
-    train_ok([*common, "--global-batch-size", "64", "--checkpoint-every", "0", *dirs_args(two)], tmp_path, nproc=2)
+              *dirs_args(one)], tmp_path, forked=True)  # one process: forked, the torch import paid once
+    train_ok([*common, "--global-batch-size", "64", "--checkpoint-every", "0", *dirs_args(two)], tmp_path, nproc=2, forked=True)
     assert [read_summary(d / "runs")["world_size"] for d in (one, two)] == [1, 2]
     assert [read_summary(d / "runs")["samples_seen"] for d in (one, two)] == [20 * 64] * 2
     a, b = final_params(one / "checkpoints"), final_params(two / "checkpoints")
@@ -150,5 +150,5 @@ def test_one_process_per_container_without_master_addr(tmp_path):
     """RANK and WORLD_SIZE alone (one container per rank): MASTER_ADDR defaults to this host."""
     result = train_ok(["--model", "cnn", "--synthetic-size", "32", "--batch-size", "16", "--epochs", "1",
                        *dirs_args(tmp_path)], tmp_path, env={"RANK": "0", "WORLD_SIZE": "1",
-                                                             "MASTER_PORT": str(free_port())})
+                                                             "MASTER_PORT": str(free_port())}, forked=True)
     assert read_summary(tmp_path / "runs")["backend"] == "gloo", result.stderr[-3000:]

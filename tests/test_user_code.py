@@ -30,6 +30,7 @@ from helpers import (
     load_checkpoint,
     read_summary,
     run_trainer,
+    run_trainer_forked,
     train_ok,
     write_image_folder,
 )
@@ -197,7 +198,7 @@ def test_torchvision_model_too_big_for_small_images_is_one_line(name):
 @pytest.mark.slow
 def test_torchvision_model_by_name_trains_on_two_ranks(tmp_path):
     train_ok(["--model", "mobilenet_v3_small", "--synthetic-size", "128", "--batch-size", "16", "--epochs", "1",
-              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, nproc=2)
+              "--num-workers", "0", *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert (summary["status"], summary["model"], summary["global_step"]) == ("completed", "mobilenet_v3_small", 4)
     assert summary["val_acc1"] is not None
@@ -214,7 +215,7 @@ def test_torchvision_model_by_name_trains_on_two_ranks(tmp_path):
 @pytest.fixture(scope="module")
 def uninterrupted_user_run(tmp_path_factory):
     root = with_user_module(tmp_path_factory.mktemp("user-uninterrupted"))
-    train_ok([*USER_RUN, *dirs_args(root)], root, nproc=2)
+    train_ok([*USER_RUN, *dirs_args(root)], root, nproc=2, forked=True)
     summary = read_summary(root / "runs")
     assert (summary["status"], summary["global_step"]) == ("completed", USER_STEPS)
     return root
@@ -231,7 +232,7 @@ def test_user_model_and_dataset_learn_and_resume_exactly(uninterrupted_user_run,
     root = with_user_module(tmp_path / "resumed")
     (root / "from").mkdir()
     shutil.copy(uninterrupted_user_run / "checkpoints" / f"step-{step:08d}.pt", root / "from")
-    train_ok([*USER_RUN, "--resume", str(root / "from" / f"step-{step:08d}.pt"), *dirs_args(root)], root, nproc=2)
+    train_ok([*USER_RUN, "--resume", str(root / "from" / f"step-{step:08d}.pt"), *dirs_args(root)], root, nproc=2, forked=True)
     resumed = read_summary(root / "runs")
     assert (resumed["resumed_from_step"], resumed["global_step"]) == (step, USER_STEPS)
     assert_same_params(final_params(root / "checkpoints"), final_params(uninterrupted_user_run / "checkpoints"))
@@ -264,7 +265,7 @@ def test_sigterm_with_dataloader_workers_checkpoints_and_resumes_exactly(uninter
     assert max(checkpoint_steps(root / "checkpoints")) == stopped["global_step"]  # the stop committed its step
     assert stderr.count("received SIGTERM") <= 2, stderr[-3000:]  # the two ranks, not their workers
 
-    train_ok([*USER_RUN, *dirs_args(root)], root, nproc=2)
+    train_ok([*USER_RUN, *dirs_args(root)], root, nproc=2, forked=True)
     resumed = read_summary(root / "runs")
     assert (resumed["resumed_from_step"], resumed["global_step"]) == (stopped["global_step"], USER_STEPS)
     assert_same_params(final_params(root / "checkpoints"), final_params(uninterrupted_user_run / "checkpoints"))
@@ -273,7 +274,7 @@ def test_sigterm_with_dataloader_workers_checkpoints_and_resumes_exactly(uninter
 def test_checkpoint_of_a_user_model_is_refused_for_another_model(uninterrupted_user_run, tmp_path):
     with_user_module(tmp_path)
     checkpoint = uninterrupted_user_run / "checkpoints" / "step-00000007.pt"
-    result = run_trainer([*USER_RUN, "--model", "cnn", "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([*USER_RUN, "--model", "cnn", "--resume", str(checkpoint), *dirs_args(tmp_path)], tmp_path)
     line = assert_usage_error(result, "--resume")
     assert "usercode:model" in line and "cnn" in line
 
@@ -283,7 +284,7 @@ def test_model_with_its_own_scalar_loss_trains_without_classes(tmp_path):
     with_user_module(tmp_path)
     train_ok(["--model", "usercode:Reconstruct", "--dataset", "usercode:data", "--batch-size", "16", "--epochs", "3",
               "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0", "--warmup-steps", "2", "--num-workers",
-              "0", *dirs_args(tmp_path)], tmp_path, nproc=2)
+              "0", *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert summary["val_acc1"] is None  # outputs are no class logits: no accuracy
     assert summary["val_loss"] < 1.0, summary  # the inputs' variance, what predicting zeros would cost
@@ -301,7 +302,7 @@ def test_model_with_its_own_scalar_loss_trains_without_classes(tmp_path):
 def test_names_that_do_not_resolve_fail_before_anything_starts(tmp_path, setting, value, words):
     with_user_module(tmp_path)
     other = {"--model": ["--dataset", "usercode:data"], "--dataset": ["--model", "cnn"]}[setting]
-    result = run_trainer([setting, value, *other, *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked([setting, value, *other, *dirs_args(tmp_path)], tmp_path)
     assert words in assert_usage_error(result, setting)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "runs").exists()
 
@@ -350,7 +351,7 @@ def test_image_folder_trains_at_the_size_asked(tmp_path, augment):
     write_image_folder(tmp_path / "data", per_class={"train": 8, "val": 2})
     train_ok(["--model", "cnn", "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size",
               "32", "--augment", augment, "--batch-size", "4", "--epochs", "1", "--num-workers", "1",
-              *dirs_args(tmp_path)], tmp_path, nproc=2)
+              *dirs_args(tmp_path)], tmp_path, nproc=2, forked=True)
     summary = read_summary(tmp_path / "runs")
     assert summary["status"] == "completed" and summary["global_step"] == 2
 
@@ -442,7 +443,7 @@ def test_a_scripts_checkpoint_is_refused_by_the_built_in_trainer(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=clean_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and list((tmp_path / "checkpoints").glob("step-*.pt")), done.stderr
-    result = run_trainer(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
-                          *dirs_args(tmp_path)], tmp_path)
+    result = run_trainer_forked(["--model", "cnn", "--synthetic-size", "64", "--batch-size", "8", "--max-steps", "1",
+                                 *dirs_args(tmp_path)], tmp_path)
     assert "this run resumes model, optimizer, scheduler, scaler (scheduler, scaler missing)" in \
         assert_usage_error(result, "--resume")
