@@ -96,6 +96,7 @@ class Replicas(Members):
         self.quorums, self.commits = list(quorums), list(commits)
         self.shares: list[int] = []
         self.chain = None
+        self.summed = None  # no gradients' buckets: run.wrap() makes them
         self.recovered_at: list[int] = []
         self.committed = 0
 
