@@ -369,6 +369,57 @@ def test_each_new_quorum_takes_the_jobs_next_generation_above_every_one_on_disk_
     assert checkpoint.next_generation(directory) == 1
 
 
+def test_the_processes_of_a_host_agree_on_a_quorums_generation_though_torchft_gives_each_another_store(tmp_path):
+    """Two hosts of two processes each, in place. torchft answers every process of the quorum with the same quorum
+    id and members, but gives each process the store of another member (its group rank modulo the members: torchft's
+    compute_quorum_results): counted there, the host's two processes took two numbers for one quorum, and the one
+    with the smaller was fenced at its next step (a CI run of the compose and Kubernetes in-place pairs, whose
+    surviving host's processes restarted). The host's first process agrees with the other hosts' first processes
+    and hands the number to its host's others (inplace.HostStore): one generation for all four, and the next quorum
+    the next one. Real TCPStores and checkpoint directory; torchft's client replaced by its answers."""
+    import threading
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from trainer.engine.inplace import HostStore, JobGenerations
+
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    primaries = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    own = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]  # each host's torchrun's
+
+    class Answers:  # torchft's ManagerClient for one process: the quorum as torchft computes it for its group rank
+        def __init__(self, group_rank: int):
+            self.group_rank, self.quorum_id = group_rank, 0
+
+        def _quorum(self, **asked):
+            self.quorum_id += 1
+            return SimpleNamespace(quorum_id=self.quorum_id, replica_ids=["hostA:0", "hostB:0"], max_step=40,
+                                   store_address=f"127.0.0.1:{primaries[self.group_rank % 2].port}")
+
+    timeout = timedelta(seconds=20)
+    processes = []
+    for host in range(2):
+        for local_rank in range(2):
+            ctx = SimpleNamespace(topology=SimpleNamespace(local_rank=local_rank, master_addr="127.0.0.1",
+                                                           master_port=own[host].port))
+            processes.append(JobGenerations(Answers(local_rank), directory, timeout, stale=lambda generation: None,
+                                            host=HostStore(ctx, timeout)))
+    def ask(index: int, found: dict[int, int]) -> None:
+        found[index] = processes[index]._quorum().quorum_id
+
+    for quorum in range(2):
+        found: dict[int, int] = {}
+        threads = [threading.Thread(target=ask, args=(index, found)) for index in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert found == dict.fromkeys(range(4), quorum + 1), found
+    assert checkpoint.next_generation(directory) == 3  # two quorums, two numbers taken
+
+
 def test_the_run_that_takes_a_checkpoint_directory_alone_clears_what_in_place_jobs_left(tmp_path):
     """Generation folders, the generation's number and temp files belong to no live process when nothing else holds
     the directory (a new job's lighthouse numbers its generations afresh: a finished job's must not look newer). A

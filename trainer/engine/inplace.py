@@ -189,7 +189,8 @@ class InPlace:
         # generation for it (JobGenerations): only growing, across restarts of the lighthouse too.
         self.generations = JobGenerations(self.manager._client, self.directory, timeout, self._stale,
                                           lambda member: lighthouses.on_a_lost_lighthouse_host(member,
-                                                                                              self.lighthouses))
+                                                                                              self.lighthouses),
+                                          HostStore(ctx, timeout) if ctx.topology.local_world_size > 1 else None)
         self.manager._client = self.generations
         self._asking: float | None = None  # when this host's quorum call began (None: not in one)
         if self.relay is not None:
@@ -577,13 +578,20 @@ class JobGenerations:
     (store.next_generation), once for all its members: the first to ask takes it and leaves it in the store of the
     quorum's group, under a key naming the quorum (its id, members and step), where the others read it.
 
+    torchft gives each process of a host the store of another member of the quorum (its group rank modulo the
+    members: torchft's compute_quorum_results), so that the processes of one host would count the same quorum in
+    different stores, twice, and disagree on its generation (one of them then fenced at the next step). So the
+    host's first process agrees with the other hosts' first processes, and hands the number to its host's others
+    through the host's own store (HostStore, `host`).
+
     A lighthouse started again answers the first host that asks with a quorum of that host alone (the others'
     heartbeats are not back yet): the host asks again, for up to REJOIN_S, while hosts of its last quorum are
     missing, so that the hosts rejoin it together, no one behind the other (healed, or fenced)."""
 
     def __init__(self, client, directory: Path, timeout: timedelta, stale: Callable[[int], None],
-                 lost: Callable[[str], bool] = lambda member: False):
+                 lost: Callable[[str], bool] = lambda member: False, host: "HostStore | None" = None):
         self._client, self.directory, self.timeout, self.stale, self.lost = client, directory, timeout, stale, lost
+        self.host = host  # None: one process per host
         self.last: tuple[int, tuple[str, ...]] | None = None  # the last quorum's (id, members), as torchft said them
         self.generation: int | None = None  # the job's generation of that quorum
 
@@ -620,21 +628,56 @@ class JobGenerations:
         from torchft.process_group import create_store_client
 
         members = hashlib.sha256("\n".join(quorum.replica_ids).encode()).hexdigest()[:16]
-        store = create_store_client(f"{quorum.store_address}/trainer/generations", self.timeout)
         key = f"{quorum.quorum_id}-{quorum.max_step}-{members}"
-        if store.add(f"{key}/asked", 1) == 1:
+        if self.host is not None and not self.host.first:
+            number = self.host.number(key)  # the host's first process agreed on it with the other hosts
+        else:
+            number = 0
             try:
-                number = next_generation(self.directory)
-            except OSError as err:
-                store.set(key, "0")  # the others fail as this host does, at once
-                raise CheckpointError(f"in place: cannot write {self.directory} ({err.strerror}): each quorum's "
-                                      "generation is counted there") from None
-            store.set(key, str(number))
-        number = int(store.get(key))
+                store = create_store_client(f"{quorum.store_address}/trainer/generations", self.timeout)
+                if store.add(f"{key}/asked", 1) == 1:
+                    try:
+                        number = next_generation(self.directory)
+                    except OSError as err:
+                        store.set(key, "0")  # the others fail as this host does, at once
+                        raise CheckpointError(f"in place: cannot write {self.directory} ({err.strerror}): each "
+                                              "quorum's generation is counted there") from None
+                    store.set(key, str(number))
+                number = int(store.get(key))
+            finally:
+                if self.host is not None:
+                    self.host.hand(key, number)  # 0 (failed): the host's others fail with it, at once
         if number <= 0:
             raise CheckpointError(f"in place: the host that counts this quorum's generation in {self.directory} "
                                   "could not write it")
         return number
+
+
+class HostStore:
+    """The store of a host's own process group (its torchrun's), where the host's first process hands each quorum's
+    generation to the others (JobGenerations). Keys under the worker group's attempt: a restarted group does not
+    read the numbers of the one before it."""
+
+    def __init__(self, ctx: DistContext, timeout: timedelta):
+        self.ctx, self.timeout = ctx, timeout
+        self.first = ctx.topology.local_rank == 0
+        self.prefix = f"trainer/generations/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/" \
+                      f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+        self._store = None
+
+    def _client(self):
+        if self._store is None:
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(self.ctx.topology.master_addr, self.ctx.topology.master_port, is_master=False,
+                                   timeout=self.timeout)
+        return self._store
+
+    def hand(self, key: str, number: int) -> None:
+        self._client().set(self.prefix + key, str(number))
+
+    def number(self, key: str) -> int:
+        return int(self._client().get(self.prefix + key))
 
 
 class _Renumbered:
