@@ -100,11 +100,12 @@ class Replicas(Members):
         self.recovered_at: list[int] = []
         self.committed = 0
 
-    def begin_step(self) -> bool:
+    def begin_step(self, meanwhile=None):
+        got = None if meanwhile is None else meanwhile()  # the first batch, read at the shares before the quorum
         shares = self.quorums.pop(0) if self.quorums else self.shares
         changed = shares != self.shares
         self.shares = shares
-        return changed
+        return changed, got
 
     def commit(self, parameters) -> bool:
         self.committed += 1

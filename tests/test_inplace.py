@@ -1738,6 +1738,34 @@ def test_hosts_cut_apart_with_a_lighthouse_on_each_side_never_train_apart(hosts,
     assert read_summary(tmp_path / "runs")["status"] == "completed"
 
 
+def test_each_steps_first_batch_is_read_while_its_quorum_is_asked(hosts, tmp_path, launches):
+    """The quorum (a round trip to the lighthouse that waits for every host) off the step's critical path (issue 46,
+    item 2): while it is asked, in a thread of its own, the training thread reads the step's first batch at the
+    shares it trains now; a quorum that changed them has the batch read again. With --workers 0 the script's reads
+    are in the training process, where it sees the quorum's thread (tests/user_code/inplace_loop.py). The order
+    of the samples stays exact (check_the_order); the bit-identical tests above run the same path."""
+    samples = 1280
+    port = free_port()
+    first = host(tmp_path, port, "hostA", hosts[0], "--workers", "0", samples=samples)
+    launches.append(first)
+    second = host(tmp_path, port, "hostB", hosts[1], "--workers", "0", samples=samples)
+    launches.append(second)
+    for launch in (first, second):
+        assert launch.wait(RUN_BOUND_S) == 0, launch.output()[-4000:]
+    steps = samples // 2 // SHARE_BATCH
+    memberships = max(len(generations(launch.output())) for launch in (first, second))
+    files = sorted(tmp_path.glob("reads-*.txt"))
+    assert len(files) == 2, files
+    for file in files:
+        reads = [int(line) for line in file.read_text().split()]
+        # Each membership's first read is taken after its quorum (its batches start there); every other step's
+        # first batch is read beside the quorum. A changed membership's batch read beside it is read again.
+        assert sum(reads) >= steps - 2 * memberships and reads.count(0) <= memberships + 1, (reads, memberships)
+    earliest = min(seen(tmp_path).items(), key=lambda item: min(item[1]))[0]  # the host that trained every step
+    check_the_order(tmp_path, earliest, steps, samples=samples)
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+
+
 def test_a_host_of_two_processes_hands_its_ddp_averaged_buckets_to_the_sum_over_the_hosts_during_the_backward():
     """A host of several processes: its own DDP averages each bucket over them (DDP's default all-reduce, or
     shm_allreduce's, chained in GradientSum's comm hook) and hands it over as it is done, so that the sum over the

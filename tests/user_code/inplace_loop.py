@@ -2,8 +2,9 @@
 
 Every rank appends, for each step that commits, one line to <out>/seen-<pid>.txt: the world size, the step and the
 sample indices it trained (a step abandoned when a host was lost is not written: its gradients were discarded).
-Each DataLoader worker writes its pid to <out>/loader-<training pid>-<worker pid> when it starts. A test tells from
-these that every sample of the epoch was trained on exactly once across the world-size changes, and that the
+Each DataLoader worker writes its pid to <out>/loader-<training pid>-<worker pid> when it starts; with --workers 0,
+each batch read in the training process appends a line to <out>/reads-<pid>.txt: 1 if the trainer's quorum thread
+("trainer-quorum") was running during the read, else 0. A test tells from these that every sample of the epoch was trained on exactly once across the world-size changes, and that the
 processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
@@ -26,11 +27,12 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
 from numbered import Numbered
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from trainer import api
 
@@ -58,6 +60,13 @@ def main() -> None:
         api.dataloader_worker_init(worker_id)
         open(f"{out}/loader-{os.getppid()}-{os.getpid()}", "w").close()
 
+    def collate(samples):
+        if args.workers == 0:  # the read is in this process: was the quorum being asked meanwhile?
+            beside = any(t.name == "trainer-quorum" for t in threading.enumerate())
+            with open(f"{out}/reads-{os.getpid()}.txt", "a") as reads:
+                reads.write(f"{int(beside)}\n")
+        return default_collate(samples)
+
     dataset = Numbered(args.samples)
     with api.Run(checkpoint_dir=f"{out}/checkpoints", log_dir=f"{out}/runs", checkpoint_every=args.checkpoint_every,
                  log_every=10) as run:
@@ -75,7 +84,7 @@ def main() -> None:
         batch = run.settings.batch_size
         loader = DataLoader(dataset, batch_size=batch, sampler=run.sampler(dataset, batch), drop_last=True,
                             num_workers=args.workers, persistent_workers=args.workers > 0,
-                            worker_init_fn=loader_worker if args.workers else None)
+                            worker_init_fn=loader_worker if args.workers else None, collate_fn=collate)
         extra = {"ballast": Ballast(args.ballast_mb)} if args.ballast_mb else {}
         run.resume(model=model, optimizer=optimizer, **extra)
         if args.start_when:

@@ -18,6 +18,7 @@ processes' life, the replica groups' membership (inplace.InPlace) under in place
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,13 +351,16 @@ class InPlace(Replicated):
         samples = sampler.batch_size * accum * replicas.largest  # every step trains the largest world's global batch
         it = None
         while not source.ended() and source.position().batch // accum < per_epoch:
-            if replicas.begin_step() or it is None:
+            # The step's first batch is read while the quorum is asked (its thread): kept when the quorum changed
+            # nothing, read again at the new shares when it did.
+            changed, first = replicas.begin_step(None if it is None else functools.partial(next, it, None))
+            if changed or it is None:
                 if source.ended():  # the newest checkpoint is the job's end: it finished without this host
                     return
                 sampler.train_shares(replicas.shares, accum)
                 sampler.set_epoch(source.position().epoch, source.position().batch, sampler.stop_batch)
                 it = iter(source.batches(batches))
-            first = next(it, None)
+                first = next(it, None)
             if first is None:
                 return
             no_sync = self._arming(source.no_sync)

@@ -1,17 +1,19 @@
 """In-place recovery: a lost or returning host costs the others seconds, not a restart (docs/elastic.md).
 
-Each host's workers are one replica group of torchft's Manager (PyPI `torchft`, an optional dependency: the
-`inplace` extra); its lighthouse, beside trainer-launch on the MASTER_ADDR host, says who is here at each step.
+Each host's workers are one replica group of torchft's Manager (PyPI `torchft`, one of the project's
+dependencies); its lighthouse, beside trainer-launch on the MASTER_ADDR host, says who is here at each step.
 The processes stay as they are when a host goes or comes: their CUDA contexts, compiled graphs, DataLoader workers,
 optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at the step boundary:
 
-  begin_step()  the quorum (torchft asks the lighthouse): who trains this step. A new membership gets a new process
-                group across the hosts (a new generation of torchft's reconfigurable gloo group on the first host's
-                store; on GPUs its NCCL group, in a child process of each worker, not run on a GPU yet:
-                trainer.engine.replica_group). A host behind (returned, or new) gets the state from a live peer over that group before the
-                step: the checkpoint dict of trainer.checkpoint, its structure sent with torch.save and read with
-                weights_only=True, its tensors as they are in memory (_StateOverGroup). Hosts all behind the job's
-                newest committed checkpoint (those that trained further left while they started) go on from it.
+  begin_step()  the quorum (torchft asks the lighthouse): who trains this step. Asked in a thread of its own while
+                the training thread reads the step's first batch at the shares it trains now (read again when the
+                quorum changed them). A new membership gets a new process group across the hosts (a new generation
+                of torchft's reconfigurable gloo group on the first host's store; on GPUs its NCCL group, in a child
+                process of each worker, not run on a GPU yet: trainer.engine.replica_group). A host behind
+                (returned, or new) gets the state from a live peer over that group before the step: the checkpoint
+                dict of trainer.checkpoint, its structure sent with torch.save and read with weights_only=True, its
+                tensors as they are in memory (_StateOverGroup). Hosts all behind the job's newest committed
+                checkpoint (those that trained further left while they started) go on from it.
   shares        the ranks of the job's largest world this rank trains now (trainer.data.sampling): a host away, its
                 share of the global batch is trained by those here, in micro-batches of the same size, so every step
                 trains the same samples in the same micro-batches whatever the membership.
@@ -131,6 +133,7 @@ class InPlace:
         self._reloads_work = None  # this step's sum of the hosts' reloaded flags, in flight
         self._reloads_flag = None
         self.timing = StepTiming(ctx.is_local_main)
+        self._settled: Callable[[], Any] = _SETTLED  # waits, in the quorum's thread, until the run's state is its own
         timeout = timedelta(seconds=collective_timeout_s)
         # torchft's Rust side logs every quorum and commit at INFO, and its Python side a traceback for every error
         # it handles (a lost peer is one): this module's lines say what happened, once.
@@ -167,7 +170,9 @@ class InPlace:
         try:
             self.manager = Manager(
                 pg=self.group, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
-                use_async_quorum=False,  # the quorum before the step's data: each step's shares are known
+                # Not torchft's async quorum (answered during the forward, its shares then known too late for the
+                # step's data): begin_step() asks it in a thread of its own while the step's first batch is read.
+                use_async_quorum=False,
                 timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=10),
                 rank=ctx.topology.local_rank, world_size=ctx.topology.local_world_size,
                 store_addr=ctx.topology.master_addr, store_port=ctx.topology.master_port,
@@ -217,10 +222,13 @@ class InPlace:
 
     # ------------------------------------------------------------------ torchft's state callbacks
     def _state(self) -> dict:
-        """A peer behind asks (in torchft's quorum thread, while this one's main thread waits in the quorum)."""
+        """A peer behind asks (in torchft's quorum thread, while this one's main thread waits in the quorum, once it
+        has read the step's first batch: _Asked.settled)."""
+        self._settled()
         return self.state()
 
     def _load(self, state: dict) -> None:
+        self._settled()
         generation = self.group.generation
         if self.trained and self.quorum is not None and generation - self.quorum[0] >= 2:
             raise Fenced(f"in place: this host came back after the job went on without it (generation "
@@ -234,8 +242,30 @@ class InPlace:
         """The run's step after a resume (torchft counts committed steps: the quorum compares them)."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
-    def begin_step(self) -> bool:
-        """The quorum for the next step; True when this rank's shares or state changed (the batches restart)."""
+    def begin_step(self, meanwhile: Callable[[], Any] | None = None) -> tuple[bool, Any]:
+        """The quorum for the next step: (True when this rank's shares or state changed (the batches restart), what
+        `meanwhile` returned). The quorum, a round trip to the lighthouse that waits for every host to ask, is asked
+        in a thread of its own while this one calls `meanwhile` (the step's first batch, read at the shares trained
+        now: read again by the caller when they changed). What the quorum does to the run's state (a peer's state
+        taken, the newest checkpoint read, this host's state sent to a peer) waits until `meanwhile` returned: a
+        batch read meanwhile may draw from torch's generator, which a checkpoint holds."""
+        if meanwhile is None:
+            return self._begin_step(), None
+        asked = _Asked(self._begin_step)
+        self._settled = asked.settled.wait
+        try:
+            try:
+                got = meanwhile()
+            finally:
+                asked.settled.set()
+            waited = time.perf_counter()
+            changed = asked.answer()
+        finally:
+            self._settled = _SETTLED
+        self.timing.add("quorum", time.perf_counter() - waited)  # its exposed part: the rest overlapped the batch
+        return changed, got
+
+    def _begin_step(self, timed: bool = True) -> bool:
         # Before asking for a quorum (a host that is in a newer generation is inside its quorum call, not here): a
         # newer generation on disk is one that was formed without this host.
         self.check_fence("after an abandoned step" if self.abandoned else "at a step's start")
@@ -287,12 +317,14 @@ class InPlace:
             self.quorum = quorum
         # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
         # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
+        self._settled()
         step = self.newer() if changed else None
         if step is not None:
             self.set_step(step)
             self.reloaded = True
         self._reloads()  # launched now, waited for at the commit: off the step's critical path
-        self.timing.add("quorum", time.perf_counter() - began)
+        if timed:
+            self.timing.add("quorum", time.perf_counter() - began)
         return changed
 
     def _reloads(self):
@@ -840,6 +872,38 @@ def said(err: BaseException) -> str:
 
     text = GRPC_STATUS.sub(plain, text)
     return text.split("; verify the address is correct")[0][:200]
+
+
+def _SETTLED() -> bool:
+    """No batch is being read beside the quorum: the run's state is the quorum's to read and change."""
+    return True
+
+
+class _Asked:
+    """A step's quorum (InPlace._begin_step) in a thread of its own. A daemon thread, not an executor's: a process
+    that fails while a quorum is in flight (the batch read beside it raised) exits without waiting out the quorum's
+    timeout."""
+
+    def __init__(self, begin: Callable[..., bool]):
+        import threading
+
+        self.settled = threading.Event()  # set when the batch read beside the quorum returned (or raised)
+        self._result: tuple[bool, BaseException | None] = (False, None)
+        self._thread = threading.Thread(target=self._run, args=(begin,), name="trainer-quorum", daemon=True)
+        self._thread.start()
+
+    def _run(self, begin: Callable[..., bool]) -> None:
+        try:
+            self._result = (begin(timed=False), None)
+        except BaseException as err:  # noqa: BLE001 (raised again in the caller's thread: answer())
+            self._result = (False, err)
+
+    def answer(self) -> bool:
+        self._thread.join()
+        changed, err = self._result
+        if err is not None:
+            raise err
+        return changed
 
 
 class QuorumFailed(Exception):
