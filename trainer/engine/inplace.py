@@ -251,8 +251,9 @@ class InPlace:
         batch read meanwhile may draw from torch's generator, which a checkpoint holds."""
         if meanwhile is None:
             return self._begin_step(), None
-        asked = _Asked(self._begin_step)
-        self._settled = asked.settled.wait
+        asked = _Asked()
+        self._settled = asked.settled.wait  # before the quorum's thread starts: its first wait must see it
+        asked.start(self._begin_step)
         try:
             try:
                 got = meanwhile()
@@ -884,11 +885,16 @@ class _Asked:
     that fails while a quorum is in flight (the batch read beside it raised) exits without waiting out the quorum's
     timeout."""
 
-    def __init__(self, begin: Callable[..., bool]):
+    def __init__(self):
         import threading
 
         self.settled = threading.Event()  # set when the batch read beside the quorum returned (or raised)
         self._result: tuple[bool, BaseException | None] = (False, None)
+        self._thread: threading.Thread | None = None
+
+    def start(self, begin: Callable[..., bool]) -> None:
+        import threading
+
         self._thread = threading.Thread(target=self._run, args=(begin,), name="trainer-quorum", daemon=True)
         self._thread.start()
 
@@ -899,6 +905,7 @@ class _Asked:
             self._result = (False, err)
 
     def answer(self) -> bool:
+        assert self._thread is not None, "start() first"
         self._thread.join()
         changed, err = self._result
         if err is not None:
