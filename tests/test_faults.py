@@ -406,6 +406,7 @@ def test_the_processes_of_a_host_agree_on_a_quorums_generation_though_torchft_gi
                                                            master_port=own[host].port))
             processes.append(JobGenerations(Answers(local_rank), directory, timeout, stale=lambda generation: None,
                                             host=HostStore(ctx, timeout)))
+
     def ask(index: int, found: dict[int, int]) -> None:
         found[index] = processes[index]._quorum().quorum_id
 

@@ -4,8 +4,8 @@ Every rank appends, for each step that commits, one line to <out>/seen-<pid>.txt
 sample indices it trained (a step abandoned when a host was lost is not written: its gradients were discarded).
 Each DataLoader worker writes its pid to <out>/loader-<training pid>-<worker pid> when it starts; with --workers 0,
 each batch read in the training process appends a line to <out>/reads-<pid>.txt: 1 if the trainer's quorum thread
-("trainer-quorum") was running during the read, else 0. A test tells from these that every sample of the epoch was trained on exactly once across the world-size changes, and that the
-processes that stayed kept their pids.
+("trainer-quorum") was running during the read, else 0. A test tells from these that every sample of the epoch was
+trained on exactly once across the world-size changes, and that the processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
                    [--epochs E] [--validate S] [--ballast-mb M] [--start-when FILE] [--hidden H]
