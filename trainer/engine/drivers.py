@@ -451,7 +451,8 @@ def driver_for(ctx: DistContext, cfg: TrainConfig, env, label: Callable[[str], s
                              "set RECOVERY=restart for this job (trainer-launch then restarts the workers on a change)")
         try:
             replicas = inplace.InPlace(ctx, env, cfg.collective_timeout, cfg.checkpoint_dir, job=job_of(env),
-                                       label=label("checkpoint_dir"), **replica_state)
+                                       label=label("checkpoint_dir"), **replica_state,
+                                       ended=lambda: check_ended(Path(cfg.checkpoint_dir), job_of(env), cfg.as_dict()))
         except (UsageError, inplace.QuorumFailed):  # no lighthouse: the job may have ended as this host started
             leave_if_ended(ctx, cfg, env)
             raise

@@ -61,7 +61,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.checkpoint.claim import forget_end
+from trainer.checkpoint.claim import Ended, forget_end
 from trainer.checkpoint.store import (
     GENERATION_FILE,
     CheckpointError,
@@ -76,7 +76,7 @@ from trainer.core.errors import Fenced, UsageError
 from trainer.core.files import atomic_file
 from trainer.data.sampling import shares_of
 from trainer.engine import lighthouses
-from trainer.parallel import bootstrap, collectives
+from trainer.parallel import bootstrap, collectives, supervised
 from trainer.parallel.context import DistContext, collective_failure
 
 log = logging.getLogger("trainer")
@@ -85,6 +85,7 @@ MAX_ABANDONED = 100  # steps abandoned in a row before the run ends: one that ne
 # (its quorum_retries, spread over the quorum's timeout), reconnecting each time, until the quorum's timeout.
 LIGHTHOUSE_RETRY_S = 0.5
 SILENT_S = 1.0  # a quorum this long in coming: if the lighthouse does not answer, the host says that it waits for it
+ENDED_POLL_S = 1.0  # then, this often, whether the job ended meanwhile without this host (the directory says so)
 # A lighthouse started again forms its first quorum with the hosts that asked first: the other hosts of the last
 # quorum (their heartbeats not yet back) are waited for this long before a host goes on without them.
 REJOIN_S = 10.0
@@ -110,10 +111,12 @@ class InPlace:
     run's: the checkpoint dict at the current position, and putting one back (Run provides them)."""
 
     def __init__(self, ctx: DistContext, env, collective_timeout_s: float, checkpoint_dir: str, job: str, label: str,
-                 state: Callable[[], dict], load: Callable[[dict], None], newer: Callable[[], int | None]):
+                 state: Callable[[], dict], load: Callable[[dict], None], newer: Callable[[], int | None],
+                 ended: Callable[[], None] = lambda: None):
         """job: the job's name (its hosts hold the checkpoint directory together); label: the checkpoint directory's
-        setting as the run's user names it."""
-        self.ctx, self.state, self.load, self.newer = ctx, state, load, newer
+        setting as the run's user names it; ended: raises claim.Ended where the directory says the job trained to
+        its end (with this run's settings)."""
+        self.ctx, self.state, self.load, self.newer, self.ended = ctx, state, load, newer, ended
         self.job, self.label = job, label
         self.largest = int(env[INPLACE_WORLD_ENV])
         self.lighthouse = env[LIGHTHOUSE_ENV].strip()
@@ -274,13 +277,10 @@ class InPlace:
         self.healed = False
         self.group.configured_s = self.transport.moved_s = 0.0
         began = time.perf_counter()
-        watch = None
-        if self.ctx.is_local_main:
-            import threading
+        import threading
 
-            watch = threading.Timer(SILENT_S, self._say_waiting)
-            watch.daemon = True
-            watch.start()
+        answered = threading.Event()
+        threading.Thread(target=self._while_asked, args=(answered,), name="trainer-quorum-watch", daemon=True).start()
         try:
             self.manager.start_quorum()
         except Fenced:
@@ -292,8 +292,7 @@ class InPlace:
                                "left for --collective-timeout; start them again: the job resumes from the newest "
                                "checkpoint)") from None
         finally:
-            if watch is not None:
-                watch.cancel()
+            answered.set()
         if self._waiting_said is not None:
             log.info("in place: the lighthouse at %s answers again: this host rejoined it after %.1f s, its processes "
                      "as they were", lighthouses.shown(self.relay.current) if self.relay is not None else
@@ -342,8 +341,30 @@ class InPlace:
             self._reloads_work = self.manager.allreduce(self._reloads_flag, reduce_op=ReduceOp.SUM)
         return self._reloads_work
 
+    def _while_asked(self, answered) -> None:
+        """A quorum slow in coming (a thread of its own until `answered`): if the lighthouse does not answer, the host
+        says so, once. And each ENDED_POLL_S, whether the job ended meanwhile without this host (its hosts trained to
+        the end and left, the lighthouse beside the first of them with them: this host had started as they ended, or
+        was cut off): then it has nothing to train and leaves now, exit 0, in the line a host started after the end
+        gets, instead of waiting out --collective-timeout for a lighthouse that does not come back."""
+        if answered.wait(SILENT_S):
+            return
+        first = True
+        while True:
+            try:
+                self.ended()
+            except Ended as ended:
+                if self.ctx.is_local_main:
+                    log.info("%s", ended)
+                supervised.leave_now(0)
+            if first and self.ctx.is_local_main:
+                self._say_waiting()
+            first = False
+            if answered.wait(ENDED_POLL_S):
+                return
+
     def _say_waiting(self) -> None:
-        """The quorum is slow in coming (a timer's thread): if the lighthouse does not answer, say so, once."""
+        """The quorum is slow in coming: if the lighthouse does not answer, say so, once."""
         from urllib.parse import urlsplit
 
         import socket

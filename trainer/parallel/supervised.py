@@ -103,6 +103,18 @@ def _leave_if_stuck(where: str) -> None:
     os._exit(1)
 
 
+def leave_now(code: int) -> None:
+    """This process ends now, from any thread, whatever its main thread waits in (a call into torchft's Rust side,
+    which nothing interrupts): a checkpoint write in flight finishes first; the launcher reads how it ended in
+    bootstrap's record, as after a return."""
+    while _writes:
+        time.sleep(0.2)
+    bootstrap.note_the_end(code)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 class StopVote:
     """Whether any rank wants to stop, agreed with one step of slack (CPU-side, no GPU sync).
 
