@@ -216,21 +216,76 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
     assert_trained_as_without_faults(trained, tmp_path, launches, "--batchnorm")
 
 
-def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: list, *args: str) -> None:
+@pytest.mark.slow
+def test_hosts_of_two_processes_each_go_on_in_place_through_a_loss_and_a_return_to_the_weights_of_ddp(hosts, tmp_path,
+                                                                                                      launches):
+    """Two hosts of two processes each (NPROC_PER_NODE=2, the compose and Kubernetes pairs' shape, which the tests
+    above do not have): the second is lost and comes back. The first's two processes train on in place, neither
+    restarted nor fenced: they agree on each quorum's generation, though torchft gives each of them another member's
+    store (they once counted one quorum twice, and the one with the smaller number was fenced at its next step, half
+    the time). Every step is trained once, in the order of the largest world (4), and the job ends on the weights,
+    BatchNorm statistics and momentum of four processes under DistributedDataParallel without a fault (within the
+    last bits: four ranks sum in another order than DDP's ring, docs/elastic.md)."""
+    port, two = free_port(), {"NPROC_PER_NODE": "2"}
+    first = host(tmp_path, port, "hostA", hosts[0], "--batchnorm", **two)  # at MASTER_ADDR: the lighthouse beside it
+    launches.append(first)
+    # At once (the second's launcher waits for the lighthouse): their first quorum has them both at step 0, where
+    # torchft gives a host's two processes the stores of two members.
+    second = host(tmp_path, port, "hostB", hosts[1], "--batchnorm", **two)
+    launches.append(second)
+    checkpoints = tmp_path / "checkpoints"
+    wait_until(lambda: 4 in [w for _, w in generations(first.output())] and any(checkpoints.glob("step-*.pt")),
+               RUN_BOUND_S, f"both hosts training, a checkpoint\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    survivors = sorted(wait_until(lambda: len(workers(first)) == 2 and workers(first), 60, "the first's workers"))
+    lost = workers(second)
+    os.kill(second.pid, signal.SIGKILL)  # the host is gone: its launcher, and with it its workers
+    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
+    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
+                                 r"size 2", first.output()), RUN_BOUND_S,
+               f"the survivor to go on alone\n{first.output()[-3000:]}")
+    back = host(tmp_path, port, "hostB-back", hosts[1], "--batchnorm", **two)
+    launches.append(back)
+    wait_until(lambda: generations(first.output())[-1][1] == 4 and len(generations(first.output())) >= 3,
+               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+    assert sorted(workers(first)) == survivors  # the same two processes
+    assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
+    assert back.wait(RUN_BOUND_S) == 0, back.output()[-4000:]
+    output = first.output()
+    sizes = [w for _, w in generations(output)]
+    assert sizes[sizes.index(4):][:3] == [4, 2, 4], generations(output)
+    assert "restart 1 of" not in output and "Traceback" not in output and "error: " not in output, output[-4000:]
+    steps = SAMPLES // 4 // SHARE_BATCH
+    check_the_order(tmp_path, survivors[0], steps, largest=4)
+    check_the_order(tmp_path, survivors[1], steps, largest=4)
+    assert read_summary(tmp_path / "runs")["status"] == "completed"
+    trained = newest_checkpoint(checkpoints)
+    assert trained["global_step"] == steps and not list(checkpoints.rglob(".tmp-*"))
+    assert_trained_as_without_faults(trained, tmp_path, launches, "--batchnorm", nproc=4)
+
+
+def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: list, *args: str,
+                                     nproc: int = 2) -> None:
     """The final model (buffers included) and optimizer state of an in-place job equal those of the same job (the
-    script's `args`) trained by two processes under DistributedDataParallel on the restart path, without a fault."""
+    script's `args`) trained by `nproc` processes under DistributedDataParallel on the restart path, without a
+    fault: to the bit at two ranks; at more, within the last bits a sum in another order than gloo's ring gives
+    (docs/elastic.md, "To the bit at two hosts only"), and the counts to the bit."""
     alone = tmp_path / "alone"
     alone.mkdir()
     reference = Launch([str(USER_CODE / "inplace_loop.py"), "--out", str(alone), "--samples", str(SAMPLES), *args],
-                       alone, {"PREFLIGHT": "0", "NPROC_PER_NODE": "2", "TRAIN_BATCH_SIZE": str(SHARE_BATCH)},
+                       alone, {"PREFLIGHT": "0", "NPROC_PER_NODE": str(nproc), "TRAIN_BATCH_SIZE": str(SHARE_BATCH)},
                        name="ddp")
     launches.append(reference)
     assert reference.wait(RUN_BOUND_S) == 0, reference.output()[-3000:]
     expected = newest_checkpoint(alone / "checkpoints")
+    def same(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+        if nproc == 2 or not theirs.is_floating_point():
+            return torch.equal(mine, theirs)
+        return torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6)  # 6e-8 after 100 steps at four ranks
+
     for name, tensor in expected["model"].items():
-        assert torch.equal(trained["model"][name], tensor), (name, (trained["model"][name] - tensor).abs().max())
+        assert same(trained["model"][name], tensor), (name, (trained["model"][name] - tensor).abs().max())
     for key, state in expected["optimizer"]["state"].items():
-        assert torch.equal(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+        assert same(trained["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"])
 
 
 @pytest.mark.slow
