@@ -1819,10 +1819,14 @@ def test_each_steps_first_batch_is_read_while_its_quorum_is_asked(hosts, tmp_pat
     files = sorted(tmp_path.glob("reads-*.txt"))
     assert len(files) == 2, files
     for file in files:
-        reads = [int(line) for line in file.read_text().split()]
+        lines = [tuple(map(int, line.split())) for line in file.read_text().splitlines()]
+        reads, running = [asked for asked, _ in lines], [alive for _, alive in lines]
         # Each membership's first read is taken after its quorum (its batches start there); every other step's
-        # first batch is read beside the quorum. A changed membership's batch read beside it is read again.
+        # first batch is read while its quorum is asked. A changed membership's batch read beside it is read again.
         assert sum(reads) >= steps - 2 * memberships and reads.count(0) <= memberships + 1, (reads, memberships)
+        # And the quorum's thread was seen running during reads (not every one: a quorum every host asked at once may
+        # be answered first under load; 27 of 40 on a loaded 2-core machine, nearly all on a quiet one).
+        assert sum(running) >= 1, running
     earliest = min(seen(tmp_path).items(), key=lambda item: min(item[1]))[0]  # the host that trained every step
     check_the_order(tmp_path, earliest, steps, samples=samples)
     assert read_summary(tmp_path / "runs")["status"] == "completed"

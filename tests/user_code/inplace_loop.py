@@ -3,8 +3,9 @@
 Every rank appends, for each step that commits, one line to <out>/seen-<pid>.txt: the world size, the step and the
 sample indices it trained (a step abandoned when a host was lost is not written: its gradients were discarded).
 Each DataLoader worker writes its pid to <out>/loader-<training pid>-<worker pid> when it starts; with --workers 0,
-each batch read in the training process appends a line to <out>/reads-<pid>.txt: 1 if the trainer's quorum thread
-("trainer-quorum") was running during the read, else 0. A test tells from these that every sample of the epoch was
+each batch read in the training process appends a line to <out>/reads-<pid>.txt: whether it was read while
+run.steps() asked the step's quorum (1 or 0), and whether the trainer's quorum thread ("trainer-quorum") was still
+running then (1 or 0). A test tells from these that every sample of the epoch was
 trained on exactly once across the world-size changes, and that the processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
@@ -35,6 +36,7 @@ from numbered import Numbered
 from torch.utils.data import DataLoader, default_collate
 
 from trainer import api
+from trainer.engine.inplace import _SETTLED
 
 
 def main() -> None:
@@ -62,9 +64,14 @@ def main() -> None:
 
     def collate(samples):
         if args.workers == 0:  # the read is in this process: was the quorum being asked meanwhile?
-            beside = any(t.name == "trainer-quorum" for t in threading.enumerate())
+            # Called from begin_step() between the start of the quorum's thread and the wait for its answer (the
+            # run's state is then the quorum's to wait for); and whether that thread was still running: a quorum that
+            # every host asked at once may be answered before the read under load.
+            asked = getattr(getattr(run._driver, "replicas", None), "_settled", None) is not None and \
+                run._driver.replicas._settled is not _SETTLED
+            running = any(t.name == "trainer-quorum" for t in threading.enumerate())
             with open(f"{out}/reads-{os.getpid()}.txt", "a") as reads:
-                reads.write(f"{int(beside)}\n")
+                reads.write(f"{int(asked)} {int(running)}\n")
         return default_collate(samples)
 
     dataset = Numbered(args.samples)
