@@ -452,7 +452,7 @@ def driver_for(ctx: DistContext, cfg: TrainConfig, env, label: Callable[[str], s
         try:
             replicas = inplace.InPlace(ctx, env, cfg.collective_timeout, cfg.checkpoint_dir, job=job_of(env),
                                        label=label("checkpoint_dir"), **replica_state,
-                                       ended=lambda: check_ended(Path(cfg.checkpoint_dir), job_of(env), cfg.as_dict()))
+                                       ended=functools.partial(check_job_ended, cfg, env))
         except (UsageError, inplace.QuorumFailed):  # no lighthouse: the job may have ended as this host started
             leave_if_ended(ctx, cfg, env)
             raise
@@ -468,11 +468,16 @@ def leave_if_ended(ctx: DistContext, cfg: TrainConfig, env) -> None:
     """In place, the lighthouse gone: where the checkpoint directory says the job trained to its end with these
     settings, this host (started as it ended) leaves with one line, exit 0, having trained and written nothing."""
     try:
-        check_ended(Path(cfg.checkpoint_dir), job_of(env), cfg.as_dict())
+        check_job_ended(cfg, env)
     except Ended as ended:
         if ctx.is_local_main:
             log.info("%s", ended)
         raise SystemExit(0) from None
+
+
+def check_job_ended(cfg: TrainConfig, env) -> None:
+    """claim.Ended where the checkpoint directory says this in-place job trained to its end with these settings."""
+    check_ended(Path(cfg.checkpoint_dir), job_of(env), cfg.as_dict())
 
 
 def job_of(env) -> str:
