@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from datetime import timedelta
@@ -200,7 +201,6 @@ class InPlace:
                                                                                               self.lighthouses),
                                           HostStore(ctx, timeout) if ctx.topology.local_world_size > 1 else None)
         self.manager._client = self.generations
-        self._asking: float | None = None  # when this host's quorum call began (None: not in one)
         if self.relay is not None:
             self.lease = lighthouses.Lease(self.relay, self._holds_lease)
         self._waiting_said: float | None = None  # when it said that it waits for the lighthouse
@@ -277,8 +277,6 @@ class InPlace:
         self.healed = False
         self.group.configured_s = self.transport.moved_s = 0.0
         began = time.perf_counter()
-        import threading
-
         answered = threading.Event()
         threading.Thread(target=self._while_asked, args=(answered,), name="trainer-quorum-watch", daemon=True).start()
         try:
@@ -907,15 +905,11 @@ class _Asked:
     timeout."""
 
     def __init__(self):
-        import threading
-
         self.settled = threading.Event()  # set when the batch read beside the quorum returned (or raised)
         self._result: tuple[bool, BaseException | None] = (False, None)
         self._thread: threading.Thread | None = None
 
     def start(self, begin: Callable[..., bool]) -> None:
-        import threading
-
         self._thread = threading.Thread(target=self._run, args=(begin,), name="trainer-quorum", daemon=True)
         self._thread.start()
 
@@ -1043,8 +1037,6 @@ class GradientSum:
     on every host, and the step applies nothing."""
 
     def __init__(self, params: list, manager, first_bytes: int = FIRST_BUCKET_BYTES, bytes_: int = BUCKET_BYTES):
-        import threading
-
         import torch
 
         self.params, self.manager = params, manager
