@@ -20,6 +20,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -181,16 +182,8 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
     assert "recovery: in place: " in first.output()
     survivor = worker_pid(first)
     loaders = wait_until(lambda: loader_pids(tmp_path, survivor), 30, "the survivor's DataLoader worker")
-    lost = list(second.workers().values())
-    os.kill(second.pid, signal.SIGKILL)  # the host is gone: its launcher, and with it its workers
-    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
-    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
-                                 r"size 1", first.output()), RUN_BOUND_S,
-               f"the survivor to go on alone\n{first.output()[-3000:]}")
-    back = host(tmp_path, port, "hostB-back", hosts[1], "--batchnorm")
-    launches.append(back)
-    wait_until(lambda: generations(first.output())[-1][1] == 2 and len(generations(first.output())) >= 3,
-               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+    back = lose_and_bring_back(first, second, lambda: host(tmp_path, port, "hostB-back", hosts[1], "--batchnorm"),
+                               launches, nproc=1)
     # The survivor's worker and its DataLoader worker are the ones it started with.
     assert workers(first) == [survivor] and all(running(p) for p in loaders)
     assert loader_pids(tmp_path, survivor) == loaders
@@ -237,16 +230,8 @@ def test_hosts_of_two_processes_each_go_on_in_place_through_a_loss_and_a_return_
     wait_until(lambda: 4 in [w for _, w in generations(first.output())] and any(checkpoints.glob("step-*.pt")),
                RUN_BOUND_S, f"both hosts training, a checkpoint\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
     survivors = sorted(wait_until(lambda: len(workers(first)) == 2 and workers(first), 60, "the first's workers"))
-    lost = workers(second)
-    os.kill(second.pid, signal.SIGKILL)  # the host is gone: its launcher, and with it its workers
-    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
-    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
-                                 r"size 2", first.output()), RUN_BOUND_S,
-               f"the survivor to go on alone\n{first.output()[-3000:]}")
-    back = host(tmp_path, port, "hostB-back", hosts[1], "--batchnorm", **two)
-    launches.append(back)
-    wait_until(lambda: generations(first.output())[-1][1] == 4 and len(generations(first.output())) >= 3,
-               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+    back = lose_and_bring_back(first, second, lambda: host(tmp_path, port, "hostB-back", hosts[1], "--batchnorm",
+                                                           **two), launches, nproc=2)
     assert sorted(workers(first)) == survivors  # the same two processes
     assert first.wait(RUN_BOUND_S) == 0, first.output()[-4000:]
     assert back.wait(RUN_BOUND_S) == 0, back.output()[-4000:]
@@ -263,6 +248,24 @@ def test_hosts_of_two_processes_each_go_on_in_place_through_a_loss_and_a_return_
     assert_trained_as_without_faults(trained, tmp_path, launches, "--batchnorm", nproc=4)
 
 
+def lose_and_bring_back(first: Launch, second: Launch, start_again: Callable[[], Launch], launches: list,
+                        nproc: int) -> Launch:
+    """SIGKILL the second host (its launcher, and with it its workers) once both train; once the first goes on alone
+    (a step committed at its own world size after the abandoned one), the second started again: it, once the job
+    trains at both hosts' world size again, in a third membership at least."""
+    lost = workers(second)
+    os.kill(second.pid, signal.SIGKILL)
+    wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
+    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
+                                 rf"size {nproc}\b", first.output()), RUN_BOUND_S,
+               f"the survivor to go on alone\n{first.output()[-3000:]}")
+    back = start_again()
+    launches.append(back)
+    wait_until(lambda: generations(first.output())[-1][1] == 2 * nproc and len(generations(first.output())) >= 3,
+               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+    return back
+
+
 def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: list, *args: str,
                                      nproc: int = 2) -> None:
     """The final model (buffers included) and optimizer state of an in-place job equal those of the same job (the
@@ -277,6 +280,7 @@ def assert_trained_as_without_faults(trained: dict, tmp_path: Path, launches: li
     launches.append(reference)
     assert reference.wait(RUN_BOUND_S) == 0, reference.output()[-3000:]
     expected = newest_checkpoint(alone / "checkpoints")
+
     def same(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
         if nproc == 2 or not theirs.is_floating_point():
             return torch.equal(mine, theirs)
