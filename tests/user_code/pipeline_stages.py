@@ -45,6 +45,23 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
+def watch_receives(stage: Stage) -> list:
+    """GPipe's receives posted ahead: as each micro-batch's forward or backward begins, the micro-batches of that phase
+    whose receives are posted and not yet waited for (trainer.parallel.pipeline.prefetching_stage)."""
+    part, ahead = stage.stages[0], []
+
+    def watched(phase: str, run):
+        def begin(chunk, *args, **kwargs):
+            ahead.append((phase, chunk, sorted(later for (kind, later), works in part.posted.items()
+                                               if kind == phase and works)))
+            return run(chunk, *args, **kwargs)
+        return begin
+
+    part.forward_one_chunk = watched("forward", part.forward_one_chunk)
+    part.backward_one_chunk = watched("backward", part.backward_one_chunk)
+    return ahead
+
+
 def main() -> None:
     out, schedule = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
@@ -60,6 +77,7 @@ def main() -> None:
     pipeline_group, replica_group = groups(layout)
     stage = Stage(modules, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
                   torch.device("cpu"), pipeline_group, replica_group, evaluation)
+    ahead = watch_receives(stage) if schedule == "gpipe" else []
     optimizer = torch.optim.SGD([p for module in modules for p in module.parameters()], lr=0.1, momentum=0.9)
     losses = []
     for inputs, targets in data:
@@ -69,7 +87,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
     evaluated = stage.evaluate(data[0][0][:per_replica])  # the first batch again, with the trained weights
     state = {key: value for module in modules for key, value in module.state_dict().items()}
-    torch.save({"state": state, "losses": losses, "evaluated": evaluated},
+    torch.save({"state": state, "losses": losses, "evaluated": evaluated, "ahead": ahead},
                out / f"stage-{layout.stage}-{layout.replica}.pt")
     dist.destroy_process_group()
 

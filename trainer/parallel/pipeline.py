@@ -232,6 +232,61 @@ def cut(model: nn.Module, example, points: list[str], training: bool = True) -> 
     return [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
 
 
+_prefetching: type | None = None
+
+
+def prefetching_stage() -> type:
+    """torch's PipelineStage, its receives posted ahead, for GPipe's schedule.
+
+    Why: torch's ScheduleGPipe posts micro-batch i's receive just before it computes i, and a message moves only once
+    its receive is posted (gloo's unbound buffers wait for the receiver; NCCL's send pairs with the recv), so each of
+    a step's 2M messages waited out its whole transfer on the receiving stage (gloo, P = 2, M = 8: the bubble
+    1.14-1.29x the formula's, 1.04-1.09x with this; 1F1B's schedule posts a receive together with the send before it,
+    docs/benchmarks.md). Here the first receive a phase asks for posts every later micro-batch's of that phase too (each has its
+    own buffer, made by the schedule's set-up), and each chunk's forward or backward waits for its own: the transfers
+    run while the stage computes the micro-batches before. Only public names of PipelineStage are overridden; a phase
+    posts receives from one neighbour and sends to the other, so NCCL's per-pair streams do not queue a send behind a
+    receive."""
+    global _prefetching
+    if _prefetching is None:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage
+
+        class PrefetchingStage(PipelineStage):
+            def __init__(self, *args, microbatches: int, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.microbatches = microbatches
+                self.posted: dict[tuple[str, int], list] = {}  # (phase, chunk): its receives' works, not yet waited
+
+            def _post_from(self, phase: str, chunk: int, ops_of) -> list:
+                for later in range(chunk, self.microbatches):
+                    if (phase, later) not in self.posted:
+                        ops = ops_of(later)
+                        self.posted[(phase, later)] = dist.batch_isend_irecv(ops) if ops else []
+                return []  # the schedule has nothing left to post: the chunk's own call waits (below)
+
+            def _wait(self, phase: str, chunk: int) -> None:
+                for work in self.posted.pop((phase, chunk), []):
+                    work.wait()
+
+            def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+                return self._post_from("forward", fwd_chunk_id, super().get_fwd_recv_ops)
+
+            def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+                return self._post_from("backward", bwd_chunk_id, super().get_bwd_recv_ops)
+
+            def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+                self._wait("forward", fwd_chunk_id)
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+            def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+                self._wait("backward", bwd_chunk_id)
+                return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        _prefetching = PrefetchingStage
+    return _prefetching
+
+
 class Stage:
     """This rank's stage (its pieces of the model, layout.pieces) and the schedule that runs it: one call of step()
     trains one per-rank batch as M micro-batches through every stage of the replica (the first stage feeds the inputs,
@@ -251,12 +306,16 @@ class Stage:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
-        def stages(pieces: list[nn.Module]) -> list:
+        def stages(pieces: list[nn.Module], kind) -> list:
+            if kind is ScheduleGPipe:
+                return [prefetching_stage()(piece, index, layout.stages * layout.chunks, device, group=pipeline_group,
+                                            microbatches=microbatches) for piece, index in zip(pieces, layout.pieces)]
             return [PipelineStage(piece, index, layout.stages * layout.chunks, device, group=pipeline_group)
                     for piece, index in zip(pieces, layout.pieces)]
 
         def scheduled(kind, pieces: list[nn.Module], **options):
-            made = stages(pieces)
+            made = stages(pieces, kind)
+            self.stages = made  # the training schedule's, set last (below): torch's PipelineStage of each piece
             return kind(made if kind is ScheduleInterleaved1F1B else made[0], n_microbatches=microbatches, **options)
 
         self.layout, self.modules = layout, modules
