@@ -46,7 +46,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def watch_receives(stage: Stage) -> list:
-    """GPipe's receives posted ahead: as each micro-batch's forward or backward begins, the micro-batches of that phase
+    """gpipe's and 1f1b's receives posted ahead (gloo): as each micro-batch's forward or backward begins, the micro-batches of that phase
     whose receives are posted and not yet waited for (trainer.parallel.pipeline.prefetching_stage)."""
     part, ahead = stage.stages[0], []
 
@@ -77,7 +77,7 @@ def main() -> None:
     pipeline_group, replica_group = groups(layout)
     stage = Stage(modules, layout, schedule, MICROBATCHES, lambda output, target: loss(output, target) / MICROBATCHES,
                   torch.device("cpu"), pipeline_group, replica_group, evaluation)
-    ahead = watch_receives(stage) if schedule == "gpipe" else []
+    ahead = watch_receives(stage) if schedule != "interleaved-1f1b" else []
     optimizer = torch.optim.SGD([p for module in modules for p in module.parameters()], lr=0.1, momentum=0.9)
     losses = []
     for inputs, targets in data:

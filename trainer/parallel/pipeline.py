@@ -236,27 +236,34 @@ _prefetching: type | None = None
 
 
 def prefetching_stage() -> type:
-    """torch's PipelineStage, its receives posted ahead, for GPipe's schedule.
+    """torch's PipelineStage whose receives are posted ahead (GPipe on any backend, 1F1B on gloo), and whose sends are
+    waited for only at the step's end where asked (1F1B on gloo).
 
-    Why: torch's ScheduleGPipe posts micro-batch i's receive just before it computes i, and a message moves only once
-    its receive is posted (gloo's unbound buffers wait for the receiver; NCCL's send pairs with the recv), so each of
-    a step's 2M messages waited out its whole transfer on the receiving stage (gloo, P = 2, M = 8: the bubble
-    1.14-1.29x the formula's, 1.04-1.09x with this; 1F1B's schedule posts a receive together with the send before it,
-    docs/benchmarks.md). Here the first receive a phase asks for posts every later micro-batch's of that phase too (each has its
-    own buffer, made by the schedule's set-up), and each chunk's forward or backward waits for its own: the transfers
-    run while the stage computes the micro-batches before. Only public names of PipelineStage are overridden; a phase
-    posts receives from one neighbour and sends to the other, so NCCL's per-pair streams do not queue a send behind a
-    receive."""
+    Why: a message moves only once its receive is posted (gloo's unbound buffers wait for the receiver; NCCL's send
+    pairs with its recv). torch's ScheduleGPipe posts micro-batch i's receive just before it computes i, so each of a
+    step's 2M messages waited out its whole transfer on the receiving stage; its Schedule1F1B posts each receive
+    together with the send before it and waits for both at once, so the two stages met at every micro-batch and each
+    waited out a transfer there (gloo, P = 2, M = 8, docs/benchmarks.md). Here the first receive a phase (forward or
+    backward) asks for posts that phase's every later micro-batch's too (each has its own buffer, made by the
+    schedule's set-up), and each chunk's forward or backward waits for its own; with sends_later, a send is issued
+    where the schedule asks and waited for in finish_sends(), after the schedule's step (the tensors sent are the
+    step's own: nothing overwrites them before). The transfers then run while the stages compute.
+
+    Only the backends' public calls and PipelineStage's public methods are used. NCCL: a pair of ranks shares one
+    stream for its messages, so a receive posted ahead would hold back a send to the same peer behind it: GPipe's
+    phases receive from one neighbour and send to the other (safe), 1F1B's do both with the same neighbour (gloo only,
+    Stage below)."""
     global _prefetching
     if _prefetching is None:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
 
         class PrefetchingStage(PipelineStage):
-            def __init__(self, *args, microbatches: int, **kwargs):
+            def __init__(self, *args, microbatches: int, sends_later: bool, **kwargs):
                 super().__init__(*args, **kwargs)
-                self.microbatches = microbatches
+                self.microbatches, self.sends_later = microbatches, sends_later
                 self.posted: dict[tuple[str, int], list] = {}  # (phase, chunk): its receives' works, not yet waited
+                self.sending: list = []  # sends_later: this step's sends' works
 
             def _post_from(self, phase: str, chunk: int, ops_of) -> list:
                 for later in range(chunk, self.microbatches):
@@ -269,11 +276,28 @@ def prefetching_stage() -> type:
                 for work in self.posted.pop((phase, chunk), []):
                     work.wait()
 
+            def _send(self, ops: list) -> list:
+                if not self.sends_later or not ops:
+                    return ops
+                self.sending.extend(dist.batch_isend_irecv(ops))
+                return []
+
+            def finish_sends(self) -> None:
+                sending, self.sending = self.sending, []
+                for work in sending:
+                    work.wait()
+
             def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
                 return self._post_from("forward", fwd_chunk_id, super().get_fwd_recv_ops)
 
             def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
                 return self._post_from("backward", bwd_chunk_id, super().get_bwd_recv_ops)
+
+            def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+                return self._send(super().get_fwd_send_ops(fwd_chunk_id))
+
+            def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+                return self._send(super().get_bwd_send_ops(bwd_chunk_id))
 
             def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
                 self._wait("forward", fwd_chunk_id)
@@ -303,13 +327,17 @@ class Stage:
                  pipeline_group, replica_group=None, evaluation: list[nn.Module] | None = None):
         """modules: this rank's pieces (cut()'s, at layout.pieces); evaluation: the same traced in evaluation mode,
         for evaluate()."""
+        import torch.distributed as dist
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
+        gloo = dist.get_backend(pipeline_group) == "gloo"
+
         def stages(pieces: list[nn.Module], kind) -> list:
-            if kind is ScheduleGPipe:
+            if kind is ScheduleGPipe or (kind is Schedule1F1B and gloo):  # prefetching_stage(): why, and why not NCCL
                 return [prefetching_stage()(piece, index, layout.stages * layout.chunks, device, group=pipeline_group,
-                                            microbatches=microbatches) for piece, index in zip(pieces, layout.pieces)]
+                                            microbatches=microbatches, sends_later=kind is Schedule1F1B)
+                        for piece, index in zip(pieces, layout.pieces)]
             return [PipelineStage(piece, index, layout.stages * layout.chunks, device, group=pipeline_group)
                     for piece, index in zip(pieces, layout.pieces)]
 
@@ -333,6 +361,7 @@ class Stage:
         # The loss of each micro-batch is divided here (scale_grads=False): the schedule's own division would also
         # divide gradients accumulated over several steps' worth of batches (grad_accum).
         self.schedule = scheduled(kind, modules, loss_fn=loss_fn, scale_grads=False)
+        self.sends_later = [part for part in self.stages if getattr(part, "sends_later", False)]
 
     def step(self, inputs, targets, sync: bool = True) -> list:
         """One per-rank batch forward and backward; the last stage's micro-batch losses (as loss_fn returned them),
@@ -346,6 +375,8 @@ class Stage:
             self.schedule.step(inputs)
         else:
             self.schedule.step(target=targets if self.layout.last else None, losses=losses)
+        for part in self.sends_later:
+            part.finish_sends()
         if sync and self.replica_group is not None:
             self.average()
         return losses
