@@ -8,6 +8,7 @@ ratios and in place's step split (inplace.StepTiming's line: quorum, forward, ba
 optimizer and what follows it, the rest).
 
     python -m bench.step_cost --rounds 3 --steps 400 [--baseline /tmp/before]
+    python -m bench.step_cost --model vgg11 --batch-size 8 --lr 0.01 --checkpoint-every 20   # 129 M parameters
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="per process at world size 2")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=0.0, help="the trainer's --lr (0: its default; VGG-11 without "
+                        "BatchNorm wants 0.01, as bench.goodput's 129 M runs)")
     args = parser.parse_args(argv)
-    args.lr, args.timeout, args.keep, args.fault_every, args.down_for = 0.0, 1800.0, False, 0.0, 0.0
+    args.timeout, args.keep, args.fault_every, args.down_for = 1800.0, False, 0.0, 0.0
     own = os.environ.get("PYTHONPATH", "")
     runs: list[dict] = []
     for number in range(args.rounds):

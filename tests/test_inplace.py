@@ -1671,11 +1671,12 @@ def lighthouse_answers(where: Host, port: int, address: str = MASTER_ADDR) -> bo
 
 def test_the_sum_over_the_hosts_is_ddps_to_the_bit_at_two_hosts_and_rounds_otherwise_at_three():
     """The limit docs/elastic.md states, measured in real gloo processes (tests/user_code/sum_arithmetic.py): the
-    in-place sum (InPlace.commit's: the hosts' gradients summed, then scaled by 1/largest) against DDP's (each rank's
-    scaled by 1/world, then summed in gloo's ring order, which follows the element's place in DDP's bucket). At two
-    hosts they are one rounding either way, after a loss too: equal, and so are the weights after 30 steps. At three
-    the scaling rounds (1/3) and the order of three terms matters (four: the scaling is exact, the order is not; the
-    script measures it too, docs/elastic.md has its numbers). If this ever comes out equal at three, docs/elastic.md's
+    in-place sum (GradientSum's: each host's gradients scaled by its share of the largest world as they are copied
+    in, then summed over the hosts) against DDP's (each rank's scaled by 1/world, then summed in gloo's ring order,
+    which follows the element's place in DDP's bucket). At two hosts they are one rounding either way, after a loss
+    too: equal, and so are the weights after 30 steps. At three the order of three terms matters, and after a loss
+    the survivor's two shares are scaled as their sum (four: the scaling is exact, the order is not; the script
+    measures it too, docs/elastic.md has its numbers). If this ever comes out equal at three, docs/elastic.md's
     limit is wrong: say so there."""
     import json
 
@@ -1880,6 +1881,6 @@ def test_without_a_ddp_of_its_own_the_sum_takes_each_gradient_as_the_last_micro_
             assert OneHost.launched - before == (2 if summed.armed else 0)
         accumulated = [p.grad.clone() for p in net.parameters()]
         summed.finish()
-        summed.apply(1.0)
+        summed.apply()
         summed.new_step()
         assert all(torch.equal(a, p.grad) for a, p in zip(accumulated, net.parameters()))

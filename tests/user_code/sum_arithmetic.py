@@ -5,7 +5,7 @@
 WORLD processes train inplace_loop.py's model (Linear-ReLU-Linear) on the same batches twice, with SGD and momentum:
 once under DistributedDataParallel (each rank's gradient scaled by 1/WORLD, then summed by gloo), once as
 trainer.engine.inplace.GradientSum sums, each process being a host of one process (the flat gradients of its one
-bucket, in reverse order, summed by gloo, then scaled by 1/WORLD); and, for the gradients of the first
+bucket, in reverse order, each scaled by 1/WORLD as it is copied in, then summed by gloo); and, for the gradients of the first
 step, as the hosts sum after a loss: process 0 trains its share and the last one's through one .grad, the last
 process (the lost host) adds zeros. Prints one JSON line: how many elements of the first step's gradients differ from
 DDP's and by how much at most (fault-free, after a loss), and of the weights after STEPS steps.
@@ -37,10 +37,10 @@ def backward(net, step: int, share: int) -> None:
 
 def in_place_sum(grads: list, world: int) -> torch.Tensor:
     # inplace.GradientSum's one bucket here (the model is far under its 1 MiB cap): the gradients in reverse order,
-    # summed, scaled; returned in the parameters' order.
-    flat = torch.cat([g.reshape(-1) for g in reversed(grads)])
+    # each scaled by its host's weight (1 process / WORLD) as it is copied in, then summed; returned in the parameters'
+    # order.
+    flat = torch.cat([torch.mul(g.reshape(-1), 1 / world) for g in reversed(grads)])
     dist.all_reduce(flat)
-    flat.mul_(1 / world)
     parts, offset = [], 0
     for g in reversed(grads):
         parts.append(flat[offset:offset + g.numel()])

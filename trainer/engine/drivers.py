@@ -300,7 +300,8 @@ class InPlace(Replicated):
     def _made(self, model) -> inplace.GradientSum:
         if self.replicas.summed is not None:
             self.replicas.summed.remove_hooks()
-        self.replicas.summed = inplace.GradientSum(self._trained(model), self.replicas.manager)
+        self.replicas.summed = inplace.GradientSum(self._trained(model), self.replicas.manager,
+                                                   self.replicas.share_scale())
         return self.replicas.summed
 
     def _arming(self, no_sync: Callable[[bool], ContextManager]) -> Callable[[bool], ContextManager]:

@@ -430,8 +430,13 @@ class InPlace:
         if self.summed is None or not self.summed.matches(params):
             if self.summed is not None:
                 self.summed.remove_hooks()
-            self.summed = GradientSum(params, self.manager)
+            self.summed = GradientSum(params, self.manager, self.share_scale())
         return self.summed
+
+    def share_scale(self) -> float:
+        """A host's gradients' weight in the step's mean: its processes (DDP has averaged over them) / the largest
+        world's ranks (each of which is a share some rank trained)."""
+        return self.ctx.topology.local_world_size / self.largest
 
     def commit(self, parameters) -> bool:
         """The step's gradients summed over the hosts, scaled to the mean over the largest world's ranks (each of
@@ -459,7 +464,7 @@ class InPlace:
             self.timing.committed(time.perf_counter() - began, summed)
         summed.new_step()
         if committed:
-            summed.apply(self.ctx.topology.local_world_size / self.largest)
+            summed.apply()
             if buffers is not None:
                 self.chain.take(buffers)
             self.trained = True
@@ -1036,10 +1041,13 @@ class GradientSum:
     torchft's managed allreduce met (a lost host) it reports to the Manager, whose should_commit() then says False
     on every host, and the step applies nothing."""
 
-    def __init__(self, params: list, manager, first_bytes: int = FIRST_BUCKET_BYTES, bytes_: int = BUCKET_BYTES):
+    def __init__(self, params: list, manager, scale: float = 1.0, first_bytes: int = FIRST_BUCKET_BYTES,
+                 bytes_: int = BUCKET_BYTES):
+        """scale: this host's gradients' weight in the mean over the largest world (its processes / the largest world's
+        ranks), applied as they are copied in (DDP divides while copying into its buckets too): no pass of its own."""
         import torch
 
-        self.params, self.manager = params, manager
+        self.params, self.manager, self.scale = params, manager, scale
         self.buckets: list[tuple[Any, list]] = []  # (flat tensor, [(parameter, offset)]) in launch order
         self.slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket, offset)
         members: list = []
@@ -1136,7 +1144,7 @@ class GradientSum:
                     self.stale = True
                     continue
                 flat = self.buckets[index][0]
-                flat[offset:offset + p.numel()].view_as(p).copy_(value)
+                self._take(flat[offset:offset + p.numel()].view_as(p), value)
                 if id(p) not in self.seen:
                     self.seen.add(id(p))
                     self.counts[index] += 1
@@ -1144,6 +1152,19 @@ class GradientSum:
                     self.counts[self.launched] == len(self.buckets[self.launched][1]):
                 self._launch()
                 self.launched_early += 1
+
+    def _take(self, part, value) -> None:
+        """A gradient into its place in a bucket, scaled (one pass; in place where the gradient is that place already:
+        apply() made it so, and the user's zero_grad(set_to_none=False) kept it)."""
+        import torch
+
+        if value.is_set_to(part):
+            if self.scale != 1.0:
+                part.mul_(self.scale)
+        elif self.scale != 1.0:
+            torch.mul(value, self.scale, out=part)
+        else:
+            part.copy_(value)
 
     def _launch(self) -> None:
         from torch.distributed import ReduceOp
@@ -1169,23 +1190,30 @@ class GradientSum:
                         continue
                     part = flat[offset:offset + p.numel()]
                     if p.grad is not None:
-                        part.view_as(p).copy_(p.grad)
+                        self._take(part.view_as(p), p.grad)
                     else:
                         part.zero_()
                 self._launch()
         for work in self.works:
             work.wait()
 
-    def apply(self, scale: float) -> None:
-        """The sums into the parameters' .grad, scaled: exactly the one flat sum's arithmetic (sum, then mul_)."""
+    def apply(self) -> None:
+        """The sums as the parameters' .grad: each gradient becomes its place in the bucket (DDP's
+        gradient_as_bucket_view: no copy back; the next step's backward makes new gradients, or, kept by
+        zero_grad(set_to_none=False), accumulates into these). A parameter laid out otherwise (channels_last) gets a
+        copy in its own layout."""
         for flat, members in self.buckets:
-            flat.mul_(scale)
             for p, offset in members:
                 part = flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is not None:
+                if p.grad is None:
+                    if part.any():  # unused here, used by a peer
+                        p.grad = part.clone()
+                elif p.grad.is_set_to(part):
+                    continue
+                elif p.is_contiguous() and p.grad.is_contiguous():
+                    p.grad = part
+                else:
                     p.grad.copy_(part)
-                elif part.any():  # unused here, used by a peer
-                    p.grad = part.clone()
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
