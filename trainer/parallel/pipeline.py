@@ -236,8 +236,8 @@ _prefetching: type | None = None
 
 
 def prefetching_stage() -> type:
-    """torch's PipelineStage whose receives are posted ahead (GPipe on any backend, 1F1B on gloo), and whose sends are
-    waited for only at the step's end where asked (1F1B on gloo).
+    """torch's PipelineStage whose receives are posted ahead (GPipe and 1F1B on gloo), and whose sends are waited for
+    only at the step's end where asked (1F1B).
 
     Why: a message moves only once its receive is posted (gloo's unbound buffers wait for the receiver; NCCL's send
     pairs with its recv). torch's ScheduleGPipe posts micro-batch i's receive just before it computes i, so each of a
@@ -249,10 +249,11 @@ def prefetching_stage() -> type:
     where the schedule asks and waited for in finish_sends(), after the schedule's step (the tensors sent are the
     step's own: nothing overwrites them before). The transfers then run while the stages compute.
 
-    Only the backends' public calls and PipelineStage's public methods are used. NCCL: a pair of ranks shares one
-    stream for its messages, so a receive posted ahead would hold back a send to the same peer behind it: GPipe's
-    phases receive from one neighbour and send to the other (safe), 1F1B's do both with the same neighbour (gloo only,
-    Stage below)."""
+    Only the backends' public calls and PipelineStage's public methods are used. NCCL keeps torch's schedules as they
+    are (Stage below): a pair of ranks shares one stream for its messages, so 1F1B's receive posted ahead would hold
+    back its next send to the same neighbour; GPipe's phases receive from one neighbour and send to the other, which
+    NCCL should take, but no GPU has run it (NCCL puts one rank on a GPU, and the lent device has one), and a GPU path
+    no GPU has run is not a default."""
     global _prefetching
     if _prefetching is None:
         import torch.distributed as dist
@@ -334,7 +335,7 @@ class Stage:
         gloo = dist.get_backend(pipeline_group) == "gloo"
 
         def stages(pieces: list[nn.Module], kind) -> list:
-            if kind is ScheduleGPipe or (kind is Schedule1F1B and gloo):  # prefetching_stage(): why, and why not NCCL
+            if gloo and kind in (ScheduleGPipe, Schedule1F1B):  # prefetching_stage(): why, and why not NCCL yet
                 return [prefetching_stage()(piece, index, layout.stages * layout.chunks, device, group=pipeline_group,
                                             microbatches=microbatches, sends_later=kind is Schedule1F1B)
                         for piece, index in zip(pieces, layout.pieces)]
