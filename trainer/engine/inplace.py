@@ -1033,8 +1033,11 @@ class GradientSum:
     A parameter's gradient is final only in the backward of the step's last micro-batch (the boundary: the others
     run in no_sync and accumulate), so readiness counts only while `armed`. It is reported by `ready(params,
     values)`: a post-accumulate-grad hook per parameter on a host of one process, or the host's DDP comm hook (the
-    host-averaged gradients) on a host of several. A bucket whose every parameter is ready is copied in and its sum
-    launched on torchft's managed group (non-blocking). Gloo pairs the collectives of a group by the order they are
+    host-averaged gradients) on a host of several. Each gradient is copied into its bucket scaled by the host's
+    share of the mean (`scale`), and a bucket whose every parameter is ready has its sum launched on torchft's
+    managed group (non-blocking); after a commit, apply() leaves each .grad as its place in the bucket. That is DDP's
+    arithmetic and memory traffic (it divides as it copies into its buckets, and its gradients are views of them):
+    scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs the collectives of a group by the order they are
     issued, whatever thread issues them, so the buckets are launched strictly in index order on every host: a bucket
     ready before the one ahead of it waits for it. `finish()` launches what is left (a parameter that got no
     gradient this step adds its .grad from earlier micro-batches, or zeros, as the one flat sum did) and waits: what
