@@ -201,8 +201,9 @@ def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp
     posted = sorted((phase, i, list(range(i, m))) for _ in range(pipeline_stages.STEPS)
                     for phase in ("forward", "backward") for i in range(m))
     for replica in range(replicas):
-        assert sorted(saved[1, replica]["ahead"]) == [(p, i, ahead if p == "forward" else []) for p, i, ahead in posted]
-        assert sorted(saved[0, replica]["ahead"]) == [(p, i, ahead if p == "backward" else []) for p, i, ahead in posted]
+        for stage, receives in ((1, "forward"), (0, "backward")):  # the activations, then the gradients
+            assert sorted(saved[stage, replica]["ahead"]) == [(p, i, ahead if p == receives else [])
+                                                              for p, i, ahead in posted]
 
 
 # ---------------------------------------------------------------- the built-in loop

@@ -46,8 +46,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def watch_receives(stage: Stage) -> list:
-    """gpipe's and 1f1b's receives posted ahead (gloo): as each micro-batch's forward or backward begins, the micro-batches of that phase
-    whose receives are posted and not yet waited for (trainer.parallel.pipeline.prefetching_stage)."""
+    """gpipe's and 1f1b's receives posted ahead (gloo): as each micro-batch's forward or backward begins, the
+    micro-batches of that phase whose receives are posted and not yet waited for
+    (trainer.parallel.pipeline.prefetching_stage)."""
     part, ahead = stage.stages[0], []
 
     def watched(phase: str, run):

@@ -5,10 +5,10 @@
 WORLD processes train inplace_loop.py's model (Linear-ReLU-Linear) on the same batches twice, with SGD and momentum:
 once under DistributedDataParallel (each rank's gradient scaled by 1/WORLD, then summed by gloo), once as
 trainer.engine.inplace.GradientSum sums, each process being a host of one process (the flat gradients of its one
-bucket, in reverse order, each scaled by 1/WORLD as it is copied in, then summed by gloo); and, for the gradients of the first
-step, as the hosts sum after a loss: process 0 trains its share and the last one's through one .grad, the last
-process (the lost host) adds zeros. Prints one JSON line: how many elements of the first step's gradients differ from
-DDP's and by how much at most (fault-free, after a loss), and of the weights after STEPS steps.
+bucket, in reverse order, each scaled by 1/WORLD as it is copied in, then summed by gloo); and, for the gradients of
+the first step, as the hosts sum after a loss: process 0 trains its share and the last one's through one .grad, the
+last process (the lost host) adds zeros. Prints one JSON line: how many elements of the first step's gradients
+differ from DDP's and by how much at most (fault-free, after a loss), and of the weights after STEPS steps.
 """
 
 import json

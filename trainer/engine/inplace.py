@@ -1035,14 +1035,14 @@ class GradientSum:
     values)`: a post-accumulate-grad hook per parameter on a host of one process, or the host's DDP comm hook (the
     host-averaged gradients) on a host of several. Each gradient is copied into its bucket scaled by the host's
     share of the mean (`scale`), and a bucket whose every parameter is ready has its sum launched on torchft's
-    managed group (non-blocking); after a commit, apply() leaves each .grad as its place in the bucket. That is DDP's
-    arithmetic and memory traffic (it divides as it copies into its buckets, and its gradients are views of them):
-    scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs the collectives of a group by the order they are
-    issued, whatever thread issues them, so the buckets are launched strictly in index order on every host: a bucket
-    ready before the one ahead of it waits for it. `finish()` launches what is left (a parameter that got no
-    gradient this step adds its .grad from earlier micro-batches, or zeros, as the one flat sum did) and waits: what
-    torchft's managed allreduce met (a lost host) it reports to the Manager, whose should_commit() then says False
-    on every host, and the step applies nothing."""
+    managed group (non-blocking); after a commit, apply() leaves each .grad as its place in the bucket. That is
+    DDP's arithmetic and memory traffic (it divides as it copies into its buckets, and its gradients are views of
+    them): scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs
+    the collectives of a group by the order they are issued, whatever thread issues them, so the buckets are
+    launched strictly in index order on every host: a bucket ready before the one ahead of it waits for it.
+    `finish()` launches what is left (a parameter that got no gradient this step adds its .grad from earlier
+    micro-batches, or zeros, as the one flat sum did) and waits: what torchft's managed allreduce met (a lost host) it
+    reports to the Manager, whose should_commit() then says False on every host, and the step applies nothing."""
 
     def __init__(self, params: list, manager, scale: float = 1.0, first_bytes: int = FIRST_BUCKET_BYTES,
                  bytes_: int = BUCKET_BYTES):
