@@ -342,10 +342,11 @@ class Stage:
             return [PipelineStage(piece, index, layout.stages * layout.chunks, device, group=pipeline_group)
                     for piece, index in zip(pieces, layout.pieces)]
 
-        def scheduled(kind, pieces: list[nn.Module], **options):
+        def scheduled(kind, pieces: list[nn.Module], **options) -> tuple[list, object]:
+            """(torch's PipelineStage of each piece, the schedule that runs them)."""
             made = stages(pieces, kind)
-            self.stages = made  # the training schedule's, set last (below): torch's PipelineStage of each piece
-            return kind(made if kind is ScheduleInterleaved1F1B else made[0], n_microbatches=microbatches, **options)
+            return made, kind(made if kind is ScheduleInterleaved1F1B else made[0], n_microbatches=microbatches,
+                              **options)
 
         self.layout, self.modules = layout, modules
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}[schedule]
@@ -353,7 +354,7 @@ class Stage:
             raise ValueError(f"{schedule} with {len(modules)} pieces on a rank of a {layout.chunks}-piece layout")
         self.evaluating, self.size = None, None  # evaluate()'s schedule (forward only: no loss), its batch size
         if evaluation is not None:
-            self.evaluating = scheduled(ScheduleGPipe if layout.chunks == 1 else kind, evaluation)
+            _, self.evaluating = scheduled(ScheduleGPipe if layout.chunks == 1 else kind, evaluation)
         self.replica_group = replica_group if layout.replicas > 1 else None
         self.sharded = False  # fsdp over the replicas (shard()): their reduce-scatter averages the gradients
         self.whole: list[tuple] = []  # shard()'s (evaluation parameter, its sharded training parameter) pairs
@@ -361,7 +362,7 @@ class Stage:
         self.evaluation_modules = evaluation or []
         # The loss of each micro-batch is divided here (scale_grads=False): the schedule's own division would also
         # divide gradients accumulated over several steps' worth of batches (grad_accum).
-        self.schedule = scheduled(kind, modules, loss_fn=loss_fn, scale_grads=False)
+        self.stages, self.schedule = scheduled(kind, modules, loss_fn=loss_fn, scale_grads=False)
         self.sends_later = [part for part in self.stages if getattr(part, "sends_later", False)]
 
     def step(self, inputs, targets, sync: bool = True) -> list:
