@@ -170,6 +170,7 @@ def one_run(mode: str, args, faults: bool) -> dict:
     others = (busy_cpu_seconds() - busy - (own_children_cpu_seconds() - own)) / (time.monotonic() - began_all)
     result = {"mode": mode, "faults": faults, "wall_s": ended - began, "hung": hung, "code": first.proc.returncode,
               "global_step": summary.get("global_step"), "status": summary.get("status"),
+              "samples_per_s": summary.get("samples_per_second"),
               "kills": len(kills), "returns": len(returns), "per_fault": split, "codes": codes,
               "other_cores_busy": round(max(0.0, others), 2)}
     group = next((m.group(1) for _, line in first.lines if (m := REPLICA_GROUP.search(line))), None)

@@ -4,8 +4,9 @@ Two local launcher "hosts" of one process each train ResNet-18 on synthetic data
 one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round, so
 that both meet the same load on a shared machine. --baseline DIR adds in place as another source tree (a checkout of
 an earlier commit) runs it, in the same rounds. Prints one JSON line per run and, at the end, each round's walls and
-ratios and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part, the
-optimizer and what follows it, the rest).
+ratios (start-up included), its per-step ratios (the trainer's steady-state samples/s from summary.json, the restart
+path's over each run's: start-up left out), and in place's step split (inplace.StepTiming's line: quorum, forward,
+backward, the sum's exposed part, the optimizer and what follows it, the rest).
 
     python -m bench.step_cost --rounds 3 --steps 400 [--baseline /tmp/before]
     python -m bench.step_cost --model vgg11 --batch-size 8 --lr 0.01 --checkpoint-every 20   # 129 M parameters
@@ -53,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         restart = walls["restart"]
         print(json.dumps({"round": number, **{k: round(v, 1) for k, v in walls.items()},
                           **{f"{k} / restart": round(v / restart, 3) for k, v in walls.items() if k != "restart"}}))
+        # The per-step cost: the trainer's own steady-state samples/s (summary.json: the first steps and the
+        # checkpoint writes not counted), the restart path's over each other's: start-up left out.
+        rates = {run["label"]: run.get("samples_per_s") for run in runs if run["round"] == number}
+        if all(rates.values()):
+            print(json.dumps({"round": number, "per step": {k: round(rates["restart"] / v, 3) for k, v in rates.items()
+                                                            if k != "restart"},
+                              "samples_per_s": {k: round(v, 2) for k, v in rates.items()}}))
     for run in runs:
         if run.get("step_split_ms"):
             print(json.dumps({"round": run["round"], "label": run["label"], **run["step_split_ms"]}))

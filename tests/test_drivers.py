@@ -26,9 +26,6 @@ class Members:
     def writes(self) -> bool:
         return self.rank == 0
 
-    def share_scale(self) -> float:  # a host of one process
-        return 1 / self.largest
-
 
 class Loop:
     """What Run does around a driver: the position it moves after each counted step, the no-sync calls it saw."""

@@ -298,11 +298,7 @@ class InPlace(Replicated):
         return [p for p in model.parameters() if p.requires_grad]
 
     def _made(self, model) -> inplace.GradientSum:
-        if self.replicas.summed is not None:
-            self.replicas.summed.remove_hooks()
-        self.replicas.summed = inplace.GradientSum(self._trained(model), self.replicas.manager,
-                                                   self.replicas.share_scale())
-        return self.replicas.summed
+        return self.replicas.summing(self._trained(model), fresh=True)
 
     def _arming(self, no_sync: Callable[[bool], ContextManager]) -> Callable[[bool], ContextManager]:
         """The strategy's no-sync context, which also tells the sum whether this micro-batch's backward makes the

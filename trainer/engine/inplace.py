@@ -423,11 +423,12 @@ class InPlace:
         """Whether this host writes the job's checkpoints, scalars and summary: the first replica of the generation."""
         return self._took_over or (self.quorum is not None and self.quorum[1] == 0)
 
-    def summing(self, params: list) -> GradientSum:
+    def summing(self, params: list, fresh: bool = False) -> GradientSum:
         """The step's GradientSum: the one made from the model at run.wrap() (its hooks report readiness during the
         backward), or, for parameters other than its (no run.wrap(), parameters frozen since), one made for them now,
-        without hooks: it launches every bucket at commit(). Every host runs the same script: the same layout."""
-        if self.summed is None or not self.summed.matches(params):
+        without hooks: it launches every bucket at commit(). Every host runs the same script: the same layout.
+        fresh: a new one even for the same parameters (the strategy hooks a new DDP's buckets to it)."""
+        if fresh or self.summed is None or not self.summed.matches(params):
             if self.summed is not None:
                 self.summed.remove_hooks()
             self.summed = GradientSum(params, self.manager, self.share_scale())
