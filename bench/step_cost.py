@@ -1,12 +1,13 @@
 """`python -m bench.step_cost`: the fault-free per-step cost of in-place recovery against the restart path.
 
 Two local launcher "hosts" of one process each train ResNet-18 on synthetic data without a fault (bench.goodput's
-one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round, so
-that both meet the same load on a shared machine. --baseline DIR adds in place as another source tree (a checkout of
-an earlier commit) runs it, in the same rounds. Prints one JSON line per run and, at the end, each round's walls and
-ratios (start-up included), its per-step ratios (the trainer's steady-state samples/s from summary.json, the restart
-path's over each run's: start-up left out), and in place's step split (inplace.StepTiming's line: quorum, forward,
-backward, the sum's exposed part, the optimizer and what follows it, the rest).
+one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round
+(every other round in the reverse order), so that both meet the same load on a shared machine. --baseline DIR adds
+in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line
+per run and, at the end, each round's walls and ratios (start-up included), its per-step ratios (the trainer's
+steady-state samples/s from summary.json, the restart path's over each run's: start-up left out), their median over
+the rounds, and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part,
+the optimizer and what follows it, the rest).
 
     python -m bench.step_cost --rounds 3 --steps 400 [--baseline /tmp/before]
     python -m bench.step_cost --model vgg11 --batch-size 8 --lr 0.01 --checkpoint-every 20   # 129 M parameters
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 from bench.goodput import one_run
@@ -39,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     own = os.environ.get("PYTHONPATH", "")
     runs: list[dict] = []
     for number in range(args.rounds):
-        for label, mode, path in (("restart", "elastic", own), ("in place", "inplace", own),
-                                  *((("in place (baseline)", "inplace", args.baseline),) if args.baseline else ())):
+        order = [("restart", "elastic", own), ("in place", "inplace", own),
+                 *((("in place (baseline)", "inplace", args.baseline),) if args.baseline else ())]
+        # Every other round in the reverse order: a machine that slows (or speeds up) over a round favours
+        # neither the first run nor the last.
+        for label, mode, path in order if number % 2 == 0 else order[::-1]:
             os.environ["PYTHONPATH"] = path
             try:
                 run = one_run(mode, args, faults=False)
@@ -61,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"round": number, "per step": {k: round(rates["restart"] / v, 3) for k, v in rates.items()
                                                             if k != "restart"},
                               "samples_per_s": {k: round(v, 2) for k, v in rates.items()}}))
+    ratios: dict[str, list[float]] = {}
+    for number in range(args.rounds):
+        rates = {run["label"]: run.get("samples_per_s") for run in runs if run["round"] == number}
+        for label, rate in rates.items():
+            if label != "restart" and rate and rates.get("restart"):
+                ratios.setdefault(label, []).append(rates["restart"] / rate)
+    if ratios:  # the rounds' middle: one slow moment of a shared machine moves a round, not the median
+        print(json.dumps({"per step, median of the rounds": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+                          "range": {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}}))
     for run in runs:
         if run.get("step_split_ms"):
             print(json.dumps({"round": run["round"], "label": run["label"], **run["step_split_ms"]}))

@@ -165,6 +165,62 @@ def test_in_place_asks_the_hosts_once_per_step_however_often_it_is_asked():
     assert driver.sampler_place() == (0, 1) and driver.shares() == [0]
 
 
+class _Summed:
+    """torchft's managed allreduce over a job of one host: the bucket as it is, done at once."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def wait(self) -> bool:
+        return True
+
+
+class _OneHost:
+    def allreduce(self, tensor, reduce_op=None):
+        return _Summed(tensor)
+
+
+def test_a_host_of_one_process_keeps_its_ddp_out_of_the_backward_and_sums_autograds_gradients(tmp_path):
+    """run.wrap() wraps a host of one process in a DDP all the same (as on the restart path). Under in place that DDP
+    has nothing to average, and its copy of every gradient into its own buckets would be a pass over the gradients
+    the restart path does not make: the strategy's no-sync keeps it out of every backward, and the sum takes each
+    gradient from autograd as it is accumulated (every bucket launched during the backward), the gradients after
+    the commit the sum's, not DDP's buckets."""
+    import torch.distributed as dist
+
+    from trainer.engine.inplace import GradientSum
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 300000), torch.nn.ReLU(), torch.nn.Linear(300000, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
+        replicas = Replicas(quorums=[[0]], commits=[True], largest=2)
+
+        def summing(params, fresh=False):  # inplace.InPlace's, over a job of one host, the host's share 1/2
+            replicas.summed = GradientSum(params, _OneHost(), 0.5)
+            return replicas.summed
+
+        replicas.summing = summing
+        driver = InPlace(replicas)
+        driver.comm_hook(ddp, None)  # what run.wrap() calls
+        summed = replicas.summed
+        x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        expected = torch.autograd.grad(torch.nn.functional.cross_entropy(net(x), y), list(net.parameters()))
+        with driver._arming(lambda last: contextlib.nullcontext() if last else ddp.no_sync())(True):
+            assert not ddp.require_backward_grad_sync  # DDP left out of the step's last backward too
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        assert summed.launched == len(summed.buckets) > 1  # every bucket during the backward
+        summed.finish()
+        summed.apply()
+        for p, g in zip(net.parameters(), expected):
+            assert torch.equal(p.grad, g * 0.5)  # scaled by the host's share as it was copied in
+            assert any(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                       for flat, _ in summed.buckets)  # the sum's bucket, no copy of DDP's
+    finally:
+        dist.destroy_process_group()
+
+
 def test_averaging_starts_after_a_warm_up_it_must_know_and_follows_the_runs_step():
     from types import SimpleNamespace
 
