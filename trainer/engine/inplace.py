@@ -21,7 +21,9 @@ optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at th
                 over its processes: run.wrap() wraps as on the restart path, so checkpoints of either path fit the
                 other), overlapped with the backward of the step's last micro-batch (GradientSum): fixed buckets
                 made from the model, each launched on torchft's group as soon as its gradients are final (the
-                host's DDP hands over each of its averaged buckets), strictly in bucket order on every host.
+                host's DDP hands over each of its averaged buckets; a host of one process keeps its DDP out of
+                the backward and hands over each gradient as autograd accumulates it), strictly in bucket order on
+                every host.
   commit()      waits for every bucket's sum, then torchft's should_commit: the step counts only if every part
                 succeeded on every host (a bucket summed while the next one failed is discarded with the rest). A model's
                 buffers (BatchNorm's running statistics) follow share 0's chain, as DDP keeps them (BufferChain).
@@ -1095,7 +1097,8 @@ class GradientSum:
         return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
 
     def hook_parameters(self) -> None:
-        """Readiness from each parameter's post-accumulate-grad hook: a host of one process (no DDP of its own)."""
+        """Readiness from each parameter's post-accumulate-grad hook: a host of one process (no DDP of its own, or
+        one the strategy keeps out of the backward: drivers.InPlace.comm_hook)."""
         def accumulated(p) -> None:  # a post-accumulate-grad hook returns nothing
             if self.armed:
                 self.ready([p], [p.grad])
