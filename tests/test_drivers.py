@@ -165,19 +165,14 @@ def test_in_place_asks_the_hosts_once_per_step_however_often_it_is_asked():
     assert driver.sampler_place() == (0, 1) and driver.shares() == [0]
 
 
-class _Summed:
-    """torchft's managed allreduce over a job of one host: the bucket as it is, done at once."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def wait(self) -> bool:
-        return True
-
-
 class _OneHost:
-    def allreduce(self, tensor, reduce_op=None):
-        return _Summed(tensor)
+    """torchft's Manager over a job of one host: each bucket's sum is the bucket as it is, done at once."""
+
+    @staticmethod
+    def allreduce(tensor, reduce_op=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(wait=lambda: True)
 
 
 def test_a_host_of_one_process_keeps_its_ddp_out_of_the_backward_and_sums_autograds_gradients(tmp_path):
