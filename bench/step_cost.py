@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             run.update(round=number, label=label)
             runs.append(run)
             print(json.dumps(run), file=sys.stderr, flush=True)
+    ratios: dict[str, list[float]] = {}
     for number in range(args.rounds):
         walls = {run["label"]: run["wall_s"] for run in runs if run["round"] == number}
         restart = walls["restart"]
@@ -63,15 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint writes not counted), the restart path's over each other's: start-up left out.
         rates = {run["label"]: run.get("samples_per_s") for run in runs if run["round"] == number}
         if all(rates.values()):
-            print(json.dumps({"round": number, "per step": {k: round(rates["restart"] / v, 3) for k, v in rates.items()
-                                                            if k != "restart"},
+            per_step = {k: rates["restart"] / v for k, v in rates.items() if k != "restart"}
+            for label, ratio in per_step.items():
+                ratios.setdefault(label, []).append(ratio)
+            print(json.dumps({"round": number, "per step": {k: round(v, 3) for k, v in per_step.items()},
                               "samples_per_s": {k: round(v, 2) for k, v in rates.items()}}))
-    ratios: dict[str, list[float]] = {}
-    for number in range(args.rounds):
-        rates = {run["label"]: run.get("samples_per_s") for run in runs if run["round"] == number}
-        for label, rate in rates.items():
-            if label != "restart" and rate and rates.get("restart"):
-                ratios.setdefault(label, []).append(rates["restart"] / rate)
     if ratios:  # the rounds' middle: one slow moment of a shared machine moves a round, not the median
         print(json.dumps({"per step, median of the rounds": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
                           "range": {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}}))

@@ -284,7 +284,8 @@ class InPlace(Replicated):
     # ------------------------------------------------------------------ the overlapped sum (inplace.GradientSum)
     def comm_hook(self, ddp, chained: tuple | None) -> None:
         """A host of several processes: its DDP's comm hook averages each bucket over them (as its own hook, or
-        `chained`, would), then hands the averages to the sum over the hosts as they come."""
+        `chained`, would), then hands the averages to the sum over the hosts as they come. A host of one process:
+        its DDP is kept out of the backward."""
         if ddp.process_group.size() == 1:
             # Nothing for that DDP to average, and its copy of every gradient into a bucket of its own would be one
             # pass over the gradients more than the restart path makes (110 ms a step at VGG-11's 491 MiB on the

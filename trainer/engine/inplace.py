@@ -1113,8 +1113,6 @@ class GradientSum:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         state, hook = chained if chained is not None else (None, allreduce_hook)
-        if ddp.process_group.size() == 1:  # a host of one process (DDP over it all the same): nothing to average
-            hook = _as_it_is
 
         def averaged_then_ready(_, bucket):
             params = bucket.parameters()
@@ -1226,15 +1224,6 @@ class GradientSum:
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
-
-
-def _as_it_is(_, bucket):
-    """A DDP comm hook for a group of one process: the bucket as it is (x / 1 == x, and no collective)."""
-    import torch
-
-    done = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
 
 
 class StepTiming:
