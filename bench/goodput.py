@@ -80,6 +80,12 @@ class Host:
         self.proc.wait()
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a CI runner's timeout) stops the bench as Ctrl-C does: its hosts run in their own
+    sessions (a loss is a SIGKILL to one host's group), so nothing else would stop them with it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -113,17 +119,15 @@ def host_env(mode: str, args, node: int) -> dict[str, str]:
     return env
 
 
-def one_run(mode: str, args, faults: bool) -> dict:
-    from trainer.cli.scale import busy_cpu_seconds, own_children_cpu_seconds
-
-    busy, own, began_all = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix=f"goodput-{mode}-"))
-    args.port = free_port()
+def _drive(mode: str, args, faults: bool, work: Path, hosts: list[Host]) -> tuple:
+    """one_run's hosts started (each into `hosts` as it starts), lost and started again, and waited for."""
     first = Host(host_command(mode, args, work), host_env(mode, args, 0), work)
+    hosts.append(first)
     time.sleep(2)  # the first host hosts the rendezvous store
     second = Host(host_command(mode, args, work), host_env(mode, args, 1), work)
+    hosts.append(second)
     began = time.monotonic()
-    kills, returns, hosts = [], [], [first, second]
+    kills, returns = [], []
     trained_since = None
     deadline = began + (args.timeout or 1800.0)
     while first.proc.poll() is None and time.monotonic() < deadline:
@@ -157,6 +161,25 @@ def one_run(mode: str, args, faults: bool) -> dict:
     codes = [host.proc.poll() for host in hosts if host.killed_at == float("inf")]
     for host in hosts:
         host.kill() if host.proc.poll() is None else None
+    return began, ended, hung, kills, returns, codes
+
+
+def one_run(mode: str, args, faults: bool) -> dict:
+    from trainer.cli.scale import busy_cpu_seconds, own_children_cpu_seconds
+
+    busy, own, began_all = busy_cpu_seconds(), own_children_cpu_seconds(), time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix=f"goodput-{mode}-"))
+    args.port = free_port()
+    hosts: list[Host] = []
+    try:
+        began, ended, hung, kills, returns, codes = _drive(mode, args, faults, work, hosts)
+    except BaseException:  # the bench stopped (Ctrl-C, SIGTERM: see stop_on_sigterm): its hosts stop with it
+        for host in hosts:
+            host.kill() if host.proc.poll() is None else None
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    first = hosts[0]
     summary = {}
     try:
         summary = json.loads((work / "runs" / "summary.json").read_text())
@@ -342,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                         "RESULT.json (bench.quick's inplace-nccl part)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     if args.one is not None:
         return one_loss_and_return(args)
     args.out.mkdir(parents=True, exist_ok=True)

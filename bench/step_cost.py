@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 
-from bench.goodput import one_run
+from bench.goodput import one_run, stop_on_sigterm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                         "BatchNorm wants 0.01, as bench.goodput's 129 M runs)")
     args = parser.parse_args(argv)
     args.timeout, args.keep, args.fault_every, args.down_for = 1800.0, False, 0.0, 0.0
+    stop_on_sigterm()
     own = os.environ.get("PYTHONPATH", "")
     runs: list[dict] = []
     for number in range(args.rounds):
