@@ -264,3 +264,28 @@ def test_bench_pipeline_measures_the_bubble_against_the_formula_and_the_state_pe
     assert all(rank["grads"] == rank["params"] == rank["optimizer"] for rank in staged)  # SGD with momentum
     assert 0.5 <= memory["largest_stage_over_ddp"] < 1
     assert "| 2 stages | 1 |" in next(tmp_path.glob("pipeline-*.md")).read_text()
+
+
+def test_bench_torchft_step_cost_times_the_quorum_the_flag_and_the_commit_of_two_real_replicas(tmp_path):
+    """bench/torchft_step_cost.py: a real lighthouse and two real replica groups of torchft's Manager, in lockstep;
+    each part of torchft's per-step contract timed on both, the summary their medians and share of the step."""
+    done = subprocess.run([sys.executable, "-m", "bench.torchft_step_cost", "--steps", "30", "--warmup", "5",
+                           "--step-ms", "5", "--busy", "1"], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    replicas = [line for line in lines if "replica" in line]
+    summaries = [line["summary"] for line in lines if "summary" in line]
+    assert sorted((line["busy"], line["replica"]) for line in replicas) == [(1, 0), (1, 1)]
+    assert [summary["busy"] for summary in summaries] == [1]  # a core spinning beside them
+    for summary in summaries:
+        assert all(summary[part] > 0 for part in ("quorum", "flag", "commit")), summary
+        assert summary["total"] == pytest.approx(summary["quorum"] + summary["flag"] + summary["commit"], abs=0.02)
+        assert 0 < summary["share_of_the_step"] < 1 and summary["torchft"].startswith("0."), summary
+
+
+def test_bench_torchft_step_cost_refuses_fewer_steps_than_its_warmup_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bench.torchft_step_cost", "--steps", "10", "--warmup", "20"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: --steps: 10 is not more than --warmup 20 (ask for more steps)"], done.stderr
