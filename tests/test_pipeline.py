@@ -169,7 +169,7 @@ def reference_run(replicas: int) -> tuple[dict[str, torch.Tensor], list[float], 
 def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp_path, nproc, schedule):
     """2 processes: one replica of the two stages, bit-identical to one process, and so is its evaluation of a batch
     through the stages. 4: two replicas, each stage's gradients averaged over them by DistributedDataParallel, within
-    1e-5 (the average sums in another order). interleaved-1f1b: four pieces, two on each process. Each phase's
+    1e-5 (the average sums in another order), and so are the losses computed with them. interleaved-1f1b: four pieces, two on each process. Each phase's
     receives are posted ahead (the second stage's activations, the first's gradients): as a micro-batch's forward or
     backward begins, its own and every later micro-batch's receive of that phase are in flight."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -190,7 +190,11 @@ def test_two_stages_train_as_one_process_accumulating_the_same_micro_batches(tmp
         else:  # the parameters; BatchNorm's running statistics are replica 0's, as DistributedDataParallel keeps them
             for name, _ in pipeline_stages.model().named_parameters():
                 torch.testing.assert_close(state[name], expected[name], rtol=1e-5, atol=1e-7)
-    assert saved[1, 0]["losses"] == losses and saved[0, 0]["losses"] == []
+    assert saved[0, 0]["losses"] == [] and len(saved[1, 0]["losses"]) == len(losses)
+    if replicas == 1:
+        assert saved[1, 0]["losses"] == losses
+    else:  # computed with those parameters: one loss in 16 rounded otherwise on an AVX-512 machine (3e-8 apart)
+        torch.testing.assert_close(torch.tensor(saved[1, 0]["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
     assert saved[0, 0]["evaluated"] is None  # the output is the last stage's
     if replicas == 1:  # through the stages in evaluation mode (BatchNorm's running statistics), as the model computes
         assert torch.equal(saved[1, 0]["evaluated"], evaluated)
