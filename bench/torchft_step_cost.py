@@ -35,7 +35,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from bench.goodput import stop_on_sigterm
+from bench.goodput import free_port, stop_on_sigterm
 
 PARTS = ("quorum", "flag", "commit")
 
@@ -84,12 +84,6 @@ def replica(args) -> int:
 def spin() -> None:
     while True:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_load(args, busy: int, work: Path) -> dict:
