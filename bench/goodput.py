@@ -194,6 +194,8 @@ def one_run(mode: str, args, faults: bool) -> dict:
     result = {"mode": mode, "faults": faults, "wall_s": ended - began, "hung": hung, "code": first.proc.returncode,
               "global_step": summary.get("global_step"), "status": summary.get("status"),
               "samples_per_s": summary.get("samples_per_second"),
+              # The writing rank's own split of a step (trainer.observe.steptiming; mean ms over its steps)
+              "split_ms": {k: v for k, v in (summary.get("ranks") or [{}])[0].items() if k.endswith("_ms")},
               "kills": len(kills), "returns": len(returns), "per_fault": split, "codes": codes,
               "other_cores_busy": round(max(0.0, others), 2)}
     group = next((m.group(1) for _, line in first.lines if (m := REPLICA_GROUP.search(line))), None)

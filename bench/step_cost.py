@@ -6,7 +6,9 @@ one_run, faults=False), the restart path (RECOVERY=restart) and in place one aft
 in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line
 per run and, at the end, each round's walls and ratios (start-up included), its per-step ratios (the trainer's
 steady-state samples/s from summary.json, the restart path's over each run's: start-up left out), their median over
-the rounds, and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part,
+the rounds, a control against the machine's speed (each path's compute, forward and backward, of its writing rank,
+and how many ms a step it spends outside it: in place's minus the restart path's is its own cost, with the VM's
+speed mostly taken out), and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part,
 the optimizer and what follows it, the rest).
 
     python -m bench.step_cost --rounds 3 --steps 400 [--baseline /tmp/before]
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             print(json.dumps(run), file=sys.stderr, flush=True)
     ratios: dict[str, list[float]] = {}
+    controls: dict[str, list[tuple[float, float]]] = {}  # per round: (compute / restart's, ms outside it - restart's)
     for number in range(args.rounds):
         walls = {run["label"]: run["wall_s"] for run in runs if run["round"] == number}
         restart = walls["restart"]
@@ -70,9 +73,26 @@ def main(argv: list[str] | None = None) -> int:
                 ratios.setdefault(label, []).append(ratio)
             print(json.dumps({"round": number, "per step": {k: round(v, 3) for k, v in per_step.items()},
                               "samples_per_s": {k: round(v, 2) for k, v in rates.items()}}))
+            # A control against the VM's speed, which moves the forward and backward of a whole run: each path's
+            # step (from its samples/s) split into the writing rank's compute (forward and backward, the hooks of
+            # the sum in them) and the rest, whose difference is the path's own cost outside the compute.
+            splits = {run["label"]: run.get("split_ms") or {} for run in runs if run["round"] == number}
+            if all("compute_ms" in split for split in splits.values()):
+                step_ms = {k: 1000 * args.batch_size * 2 / v for k, v in rates.items()}
+                outside = {k: step_ms[k] - splits[k]["compute_ms"] for k in step_ms}
+                for label in per_step:
+                    controls.setdefault(label, []).append((splits[label]["compute_ms"] / splits["restart"]["compute_ms"],
+                                                           outside[label] - outside["restart"]))
+                print(json.dumps({"round": number, "compute_ms": {k: round(v["compute_ms"], 1) for k, v in splits.items()},
+                                  "outside_compute_ms": {k: round(v, 1) for k, v in outside.items()}}))
     if ratios:  # the rounds' middle: one slow moment of a shared machine moves a round, not the median
         print(json.dumps({"per step, median of the rounds": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
                           "range": {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}}))
+    if controls:
+        print(json.dumps({"compute / restart's, median of the rounds": {
+            k: round(statistics.median(c for c, _ in v), 3) for k, v in controls.items()},
+            "outside the compute, ms more a step than restart's, median of the rounds": {
+            k: round(statistics.median(d for _, d in v), 1) for k, v in controls.items()}}))
     for run in runs:
         if run.get("step_split_ms"):
             print(json.dumps({"round": run["round"], "label": run["label"], **run["step_split_ms"]}))
