@@ -1884,3 +1884,33 @@ def test_without_a_ddp_of_its_own_the_sum_takes_each_gradient_as_the_last_micro_
         summed.apply()
         summed.new_step()
         assert all(torch.equal(a, p.grad) for a, p in zip(accumulated, net.parameters()))
+
+
+def test_what_is_summed_stays_the_bucket_when_a_script_re_points_a_gradients_data():
+    """After a commit each .grad is its place in the sum's bucket (DDP's gradient_as_bucket_view), but a view of its
+    own: a script that re-points a gradient's .data (as old optimizers and gradient surgery do) leaves the sum's
+    places where they were, and the next step still sends its gradients, not the last step's."""
+    from trainer.engine.inplace import GradientSum
+
+    class OneHost:  # torchft's managed allreduce over a group of one host: the bucket as it is, done at once
+        def allreduce(self, tensor, reduce_op=None):
+            return type("Summed", (), {"wait": lambda self: True})()
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    params = list(net.parameters())
+    summed = GradientSum(params, OneHost())
+    summed.hook_parameters()
+    for step in range(3):
+        net.zero_grad(set_to_none=False)  # the gradients kept, zeroed where they are: in the buckets after a commit
+        summed.armed = True
+        torch.nn.functional.cross_entropy(net(torch.randn(4, 8)), torch.randint(0, 3, (4,))).backward()
+        accumulated = [p.grad.clone() for p in params]
+        summed.finish()
+        sent = torch.cat([flat for flat, _ in summed.buckets])  # the buckets hold the parameters in reverse order
+        assert torch.equal(sent, torch.cat([g.flatten() for g in reversed(accumulated)])), step
+        summed.apply()
+        summed.new_step()
+        assert all(torch.equal(g, p.grad) for g, p in zip(accumulated, params))
+        for p in params:
+            p.grad.data = p.grad.data.clone()  # a script's own tensor under the same .grad

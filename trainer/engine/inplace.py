@@ -1217,7 +1217,9 @@ class GradientSum:
                 elif p.grad.is_set_to(part):
                     continue
                 elif p.is_contiguous() and p.grad.is_contiguous():
-                    p.grad = part
+                    # A view of its own: the sum's own view never leaves it (code that re-pointed a .grad's .data
+                    # would otherwise move where the next step's gradient is summed)
+                    p.grad = part.view_as(p)
                 else:
                     p.grad.copy_(part)
 
