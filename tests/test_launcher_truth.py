@@ -54,6 +54,44 @@ def test_a_script_that_spawns_its_own_processes_runs_once_per_host(tmp_path, lau
     assert "Training complete in:" in output
 
 
+SPAWNED_CYCLE = """
+import sys
+import torch.multiprocessing as mp
+
+
+class Held:  # what a DDP model's hooks do to its process group: kept alive by a reference cycle only
+    def __init__(self, rank):
+        self.rank, self.me = rank, self
+
+    def __del__(self):
+        print(f"rank {self.rank} freed {'in the teardown' if sys.is_finalizing() else 'while alive'}", flush=True)
+
+
+def train(rank):
+    Held(rank)
+
+
+if __name__ == "__main__":
+    mp.spawn(train, nprocs=2)
+"""
+
+
+def test_the_processes_a_script_spawns_itself_free_their_cycles_while_alive(tmp_path, launches):
+    """A DDP model holds its process group through reference cycles; freed in the interpreter's teardown, the
+    group's threads aborted the process after its last step (SIGABRT: CI's mp.spawn tutorial, the job failed after
+    it finished). The bootstrap frees them while the interpreter is whole in its own workers; the ranks a script
+    run once on its host spawns itself (mp.spawn) do too, at their exit: a cycle of each is freed before the
+    teardown, not in it."""
+    (tmp_path / "spawned_cycle.py").write_text(SPAWNED_CYCLE)
+    run = Launch(["spawned_cycle.py"], tmp_path, launcher_env(free_port()))
+    launches.append(run)
+    assert run.wait(RUN_BOUND_S) == 0, run.output()[-4000:]
+    output = run.output()
+    assert "running it once on this host" in output, output[-2000:]
+    assert "rank 0 freed while alive" in output and "rank 1 freed while alive" in output, output[-2000:]
+    assert "in the teardown" not in output, output[-2000:]
+
+
 def test_a_tcp_init_script_runs_once_per_host_on_two_hosts(tmp_path, launches):
     """The tcp:// notebooks: each host's copy gives its own --rank; the launcher runs one copy per host."""
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -698,3 +736,32 @@ def test_a_workers_facts_noted_by_two_threads_at_once_are_all_kept(tmp_path, mon
     record = json.loads((tmp_path / "rank-0.json").read_text())
     assert len(record) == 320, f"{320 - len(record)} of 320 facts lost"
     assert not list(tmp_path.glob(".tmp-*")), "a temp file was left behind"
+
+
+def test_every_worker_of_a_new_group_keeps_its_record_when_they_start_at_once(tmp_path):
+    """After a restart the agent starts a new group where the last one left its records. Each new worker used to
+    remove the records of other groups itself, and read its peers' as they were replaced: it removed a peer's new
+    record written a moment before. The launcher then read a running worker as never started, and a stop every worker
+    had committed exited 143 (CI, a Kubernetes pod after its elastic round). Now the agent clears the folder between
+    groups (workers.clear_records) and a worker writes its own record only. Sixteen real workers start at the same
+    instant over the records of the group before, three times: each round ends with the new group's sixteen."""
+    from trainer.cluster.workers import AGENT_DIR_ENV, clear_records, read_workers
+
+    ranks = 16
+    for attempt in range(3):
+        for rank in range(ranks):  # the group before's, as a worker of the new one may still see them
+            (tmp_path / f"rank-{rank}.json").write_text(json.dumps({"pid": 1, "pgid": 1, "group": f"{attempt}/20/1"}))
+        at = time.time() + 2.5  # after every interpreter has started
+        start = f"import time; from trainer.parallel import bootstrap; time.sleep(max(0, {at} - time.time())); " \
+                "bootstrap.start()"
+        workers = [subprocess.Popen([sys.executable, "-c", start], env=clean_env({
+            AGENT_DIR_ENV: str(tmp_path), "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(attempt + 1),
+            "WORLD_SIZE": str(ranks), "MASTER_PORT": "2", "PYTHONPATH": str(REPO)})) for rank in range(ranks)]
+        assert all(w.wait(60) == 0 for w in workers)
+        found = read_workers(tmp_path)
+        assert [w.rank for w in found] == list(range(ranks)), f"round {attempt}: {[w.rank for w in found]}"
+        assert {w.group for w in found} == {f"{attempt + 1}/{ranks}/2"}
+    # What the agent leaves a new group (its ranks may be others: this host's 2 and 3 becoming 0 and 1): nothing
+    (tmp_path / "rank-19.stacks").write_text("")
+    clear_records(tmp_path)
+    assert not list(tmp_path.glob("rank-*")), sorted(p.name for p in tmp_path.iterdir())

@@ -222,7 +222,9 @@ class Job:
 
     def starting(self, group) -> None:
         """A static job's group meets under a key prefix of its own in the agent's store, which outlives restarts
-        (see presence.newest_attempt); an elastic round's store is a new one every round."""
+        (see presence.newest_attempt); an elastic round's store is a new one every round. The group before it,
+        stopped by now, leaves its records behind: they go (workers.clear_records)."""
+        workers.clear_records(self.folder)
         if group.spec.rdzv_handler.use_agent_store:
             attempt = self.starts if self.store_at is None else \
                 presence.newest_attempt(presence.store_client(self.store_at, 60), self.starts)
@@ -547,8 +549,9 @@ def run_once(launch, program: list[str]) -> int:
     """A script that starts its own processes (mp.spawn, a tcp:// init), run once on this host: through the same
     bootstrap (its children die with it, its stacks can be read) and with the same truthful end. Torch-free."""
     with agent_folder() as folder:
-        proc = subprocess.Popen([sys.executable, *BOOTSTRAP, *program], env={**os.environ, workers.AGENT_DIR_ENV:
-                                folder}, start_new_session=True)  # its own group: the sentinel's, the stop's target
+        proc = subprocess.Popen([sys.executable, *BOOTSTRAP, *program], env={
+            **os.environ, workers.AGENT_DIR_ENV: folder, workers.RUN_ONCE_ENV: "1"},
+            start_new_session=True)  # its own group: the sentinel's, the stop's target
         received: list[int] = []
 
         def forward(sig, _frame):

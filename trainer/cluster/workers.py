@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 AGENT_DIR_ENV = "TRAINER_AGENT_DIR"
+RUN_ONCE_ENV = "TRAINER_RUN_ONCE"  # the worker is a script run once on its host, which starts its own processes
 AGENT_PID_ENV = "TRAINER_AGENT_PID"  # a worker whose stop came from another host stops its agent (static jobs)
 # The key prefix a static job's group meets under in the agent's store (kept across restarts, so each attempt
 # needs its own): the agent names it, the newest attempt any host has reached (presence.newest_attempt).
@@ -85,6 +86,19 @@ def read_workers(folder: Path) -> list[Worker]:
         except (OSError, ValueError, KeyError):
             continue
     return sorted(workers, key=lambda w: w.rank)
+
+
+def clear_records(folder: Path) -> None:
+    """Remove the records of a group whose workers are gone, before the agent starts the next (a restart, an elastic
+    round: the ranks may be others, this host's 2 and 3 becoming 0 and 1), so that what the agent reads of this
+    host's workers (the end of a stop, its exit status, their progress) is the new group's alone. The agent's to do:
+    its workers are stopped then and the next not yet started, where a worker could only race its new peers."""
+    for pattern in ("rank-*.json", "rank-*.progress", "rank-*.stacks"):
+        for path in folder.glob(pattern):
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
 
 def kill(found: list[Worker]) -> None:

@@ -15,14 +15,13 @@ Before the program's first line it:
 The records are files in the folder the agent names in TRAINER_AGENT_DIR (their format, and the agent's reading
 of them: trainer/cluster/workers.py); this module writes them, for the bootstrap and for trainer.api's Run. A
 worker started by plain torchrun or srun has no folder, and every function below then does nothing.
-Torch-free, so that it adds nothing to a worker's start but a fork.
+Torch-free, so that it adds nothing to a worker's start but a fork (but for a script run once on its host, which
+starts its ranks itself: it imports torch's multiprocessing first, see at_exit.collect_in_spawned_children).
 """
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
-import gc
 import json
 import os
 import runpy
@@ -33,8 +32,9 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer.cluster.workers import AGENT_DIR_ENV, PROGRESS_EVERY, STACKS_SIGNAL, read_workers
+from trainer.cluster.workers import AGENT_DIR_ENV, PROGRESS_EVERY, RUN_ONCE_ENV, STACKS_SIGNAL
 from trainer.core.files import atomic_file
+from trainer.parallel import at_exit
 
 SENTINEL_SIGNAL = signal.SIGRTMIN + 5  # the sentinel's parent-death signal: nothing else sends it
 
@@ -68,17 +68,13 @@ def group() -> str:
 
 
 def start() -> None:
-    """A new worker's record (a restarted rank's replaces its predecessor's). An earlier group's records go: after
-    an elastic round the ranks are others (this host's 2 and 3 became 0 and 1), and what the agent reads of this
-    host's workers (the end of a stop, its exit status) is this group's."""
+    """A new worker's record. The agent removed the earlier group's before it started this one
+    (workers.clear_records): a worker removing its predecessors' itself raced its new peers, and once removed a peer's
+    record written a moment before (the agent then read a worker of this group as never started, and a stop that
+    every worker committed exited 143)."""
     folder = agent_dir()
     if folder is not None:
-        mine = group()
-        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "group": mine})
-        for w in read_workers(folder):
-            if w.group != mine:
-                with contextlib.suppress(OSError):
-                    (folder / f"rank-{w.rank}.json").unlink()
+        _write(folder / f"rank-{this_rank()}.json", {"pid": os.getpid(), "pgid": os.getpgid(0), "group": group()})
         progress()
 
 
@@ -270,25 +266,16 @@ def run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def collect_while_alive() -> None:
-    """Free what only reference cycles still hold, while the interpreter is whole. A DDP model keeps its process
-    group alive through such cycles; left to the interpreter's teardown, the group's C++ threads were destroyed
-    there and aborted the process ("terminate called without an active exception", SIGABRT) in 2 to 6 of 15
-    plain-torchrun runs of the tutorials' ending (destroy_process_group(), then return); 0 of 20 after this."""
-    try:
-        gc.collect()
-    except Exception:  # noqa: BLE001 (a user's __del__ that raises: Python prints it; the run is over)
-        pass
-
-
 def main() -> None:
     prepare()
+    if os.environ.get(RUN_ONCE_ENV) == "1":
+        at_exit.collect_in_spawned_children()
     try:
         run(sys.argv[1:])
     except SystemExit as stop:
         code = stop.code
         note_the_end(code if isinstance(code, int) else (0 if code is None else 1))
-        collect_while_alive()
+        at_exit.collect_while_alive()
         raise
     except Exception as err:  # noqa: BLE001 (the user's error: its traceback from its own frames, exit 1)
         note_the_end(1)
@@ -304,7 +291,7 @@ def main() -> None:
         note_the_end(1)
         raise
     note_the_end(0)
-    collect_while_alive()
+    at_exit.collect_while_alive()
 
 
 if __name__ == "__main__":
