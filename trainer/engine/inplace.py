@@ -236,9 +236,7 @@ class InPlace:
         self._settled()
         generation = self.group.generation
         if self.trained and self.quorum is not None and generation - self.quorum[0] >= 2:
-            raise Fenced(f"in place: this host came back after the job went on without it (generation "
-                         f"{self.quorum[0]} -> {generation}: it was frozen, paused or cut off): it leaves, having "
-                         "written nothing of the newer generation (started again, it rejoins as a returning host)")
+            raise self._fenced(self.quorum[0], generation, "when handed a live peer's state")
         self.load(state)
         self.healed = True
 
