@@ -5,8 +5,7 @@ sample indices it trained (a step abandoned when a host was lost is not written:
 Each DataLoader worker writes its pid to <out>/loader-<training pid>-<worker pid> when it starts; with --workers 0,
 each batch read in the training process appends a line to <out>/reads-<pid>.txt: whether it was read while
 run.steps() asked the step's quorum (1 or 0), and whether the trainer's quorum thread ("trainer-quorum") was still
-running then (1 or 0); and after each step that committed, to <out>/early-<pid>.txt, the step and whether the next
-step's quorum was asked already (1 or 0: run.optimizer_step() asks it early unless a checkpoint follows). A test tells from these that every sample of the epoch was
+running then (1 or 0). A test tells from these that every sample of the epoch was
 trained on exactly once across the world-size changes, and that the processes that stayed kept their pids.
 
     trainer-launch tests/user_code/inplace_loop.py --out DIR [--samples N] [--step-seconds S] [--workers W]
@@ -121,9 +120,6 @@ def main() -> None:
                         indices += index.tolist()
                     time.sleep(args.step_seconds)
                     run.optimizer_step(optimizer)
-                    if args.workers == 0 and run._driver._committed:  # was the next step's quorum asked already?
-                        with open(f"{out}/early-{os.getpid()}.txt", "a") as early:
-                            early.write(f"{run.step_count + 1} {int(run._driver.replicas._early is not None)}\n")
                     pending = (run.step_count + 1, run.world_size, indices)
                 write_if_committed()
                 pending = None

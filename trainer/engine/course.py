@@ -88,12 +88,6 @@ class Course:
             if self.driver.step_done(step) and self.step_ended(step.micro, step.samples, step.epoch_done, {}):
                 return
 
-    def quiet_after(self, epoch_done: bool) -> bool:
-        """Whether the step in flight ends without a checkpoint (not the cadence's, its epoch's end's or the run's
-        last's): what the checkpointer will do at step_ended(), asked before it (a stop's is not known yet)."""
-        step, total = self.state.position.step + 1, self.state.total_steps
-        return not (epoch_done or (total is not None and step >= total) or self.checkpointer.due(step))
-
     def step_ended(self, micro: int, samples: int, epoch_done: bool, scalars: dict[str, Any]) -> bool:
         """A step of `micro` micro-batches ended: each part is told, in order, and decides for itself what to do at
         it. True: the loop ends here (a stop voted, or the last step), on every rank at the same step."""

@@ -83,9 +83,6 @@ class Source:
     no_sync: Callable[[bool], ContextManager]  # the strategy's no-sync context for a micro-batch (True: the last)
     once: Callable[[], ContextManager]        # a usage mistake every rank makes alike: one line per host
     model: Any = None                         # the model run.wrap() spread, if it did
-    # Whether nothing is written between the step in flight's commit and the next step (given whether it ends its
-    # epoch): not the checkpoint cadence's, an epoch's end's, the run's last's (in place asks the next quorum early).
-    quiet_after: Callable[[bool], bool] = lambda epoch_done: False
 
 
 class Replicated:
@@ -280,7 +277,6 @@ class InPlace(Replicated):
         super().__init__(replicas)
         self.replicas = replicas
         self._committed: bool | None = None  # this step's gradients summed and committed; None: not yet asked
-        self._quiet: Callable[[], bool] = lambda: False  # the step in flight writes nothing before the next one
         # A host of one process under a DDP all the same (run.wrap() wraps as on the restart path): DDP kept out of
         # every backward (its no_sync), the sum taking each gradient as autograd accumulates it.
         self._ddp_idle = False
@@ -382,7 +378,6 @@ class InPlace(Replicated):
                               replicas.chain.micro_batches(no_sync, replicas.shares, accum))
             self._committed = None
             step = Step(counted, accum, samples, source.position().batch // accum + 1 == per_epoch)
-            self._quiet = functools.partial(source.quiet_after, step.epoch_done)
             yield step
             if self._committed is False:
                 it = None  # the step again, from the same position, with the hosts still here
@@ -409,10 +404,6 @@ class InPlace(Replicated):
         job's, as under one DistributedDataParallel); False: the step is abandoned."""
         if self._committed is None:
             self._committed = self.replicas.commit(parameters())
-            # The next step's quorum, a round trip to the lighthouse, asked now beside the optimizer step, unless a
-            # checkpoint is written before the next step (its folder must not be retired under it).
-            if self._committed and self._quiet():
-                self.replicas.ask_early()
         return self._committed
 
     def joined(self, settings: dict[str, Any], built: dict[str, Any], modules: dict[str, Any],

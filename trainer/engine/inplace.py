@@ -5,11 +5,9 @@ dependencies); its lighthouse, beside trainer-launch on the MASTER_ADDR host, sa
 The processes stay as they are when a host goes or comes: their CUDA contexts, compiled graphs, DataLoader workers,
 optimizer, scheduler, scaler and RNG stay in memory. Run calls this module at the step boundary:
 
-  begin_step()  the quorum (torchft asks the lighthouse): who trains this step. Asked in a thread of its own, right
-                after the last step's commit (beside its optimizer step) unless a checkpoint is written before this
-                step, else at the step's start, while the training thread reads the step's first batch at the shares
-                it trains now (read again when the quorum changed them); nothing of its answer applies to this host
-                before then. A new membership gets a new process group across the hosts (a new generation
+  begin_step()  the quorum (torchft asks the lighthouse): who trains this step. Asked in a thread of its own while
+                the training thread reads the step's first batch at the shares it trains now (read again when the
+                quorum changed them). A new membership gets a new process group across the hosts (a new generation
                 of torchft's reconfigurable gloo group on the first host's store; on GPUs its NCCL group, in a child
                 process of each worker, not run on a GPU yet: trainer.engine.replica_group). A host behind
                 (returned, or new) gets the state from a live peer over that group before the step: the checkpoint
@@ -89,9 +87,6 @@ MAX_ABANDONED = 100  # steps abandoned in a row before the run ends: one that ne
 # The lighthouse gone (killed, restarted, its host rebooting): torchft's ManagerServer asks it again about this often
 # (its quorum_retries, spread over the quorum's timeout), reconnecting each time, until the quorum's timeout.
 LIGHTHOUSE_RETRY_S = 0.5
-# A generation opened while this host wrote a checkpoint, its own quorum for the next step in flight: the
-# lighthouse answers every member of a quorum together, so its answer is here within a round trip if it is one.
-ANSWERED_S = 5.0
 SILENT_S = 1.0  # a quorum this long in coming: if the lighthouse does not answer, the host says that it waits for it
 ENDED_POLL_S = 1.0  # then, this often, whether the job ended meanwhile without this host (the directory says so)
 # A lighthouse started again forms its first quorum with the hosts that asked first: the other hosts of the last
@@ -145,7 +140,6 @@ class InPlace:
         self._reloads_flag = None
         self.timing = StepTiming(ctx.is_local_main)
         self._settled: Callable[[], Any] = _SETTLED  # waits, in the quorum's thread, until the run's state is its own
-        self._early: _Asked | None = None  # the next step's quorum, asked at the last commit (ask_early())
         timeout = timedelta(seconds=collective_timeout_s)
         # torchft's Rust side logs every quorum and commit at INFO, and its Python side a traceback for every error
         # it handles (a lost peer is one): this module's lines say what happened, once.
@@ -254,58 +248,32 @@ class InPlace:
     def begin_step(self, meanwhile: Callable[[], Any] | None = None) -> tuple[bool, Any]:
         """The quorum for the next step: (True when this rank's shares or state changed (the batches restart), what
         `meanwhile` returned). The quorum, a round trip to the lighthouse that waits for every host to ask, is asked
-        in a thread of its own (at the last commit already: ask_early(); else now) while this one calls `meanwhile`
-        (the step's first batch, read at the shares trained now: read again by the caller when they changed). All
-        that the quorum does to the run and to this host's record of it (a peer's state taken, the newest checkpoint
-        read, this host's state sent to a peer, the new membership and its generation's folder) waits until
-        `meanwhile` returned: a batch read meanwhile may draw from torch's generator, which a checkpoint holds."""
-        self.timing.since_commit("optimizer")
-        asked, self._early = self._early, None
-        if asked is None and meanwhile is None:
-            changed, got = self._begin_step(), None
-        else:
-            if asked is None:
-                asked = self._ask()
-            try:
-                try:
-                    got = meanwhile() if meanwhile is not None else None
-                finally:
-                    asked.settled.set()
-                waited = time.perf_counter()
-                changed = asked.answer()
-            finally:
-                self._settled = _SETTLED
-            self.timing.add("quorum", time.perf_counter() - waited)  # its exposed part: the rest overlapped
-        self.step_began = time.perf_counter()
-        return changed, got
-
-    def ask_early(self) -> None:
-        """Right after a committed step that writes nothing before the next one (the driver asks the checkpointer's
-        cadence): the next step's quorum asked now, its round trip beside the optimizer step instead of before the
-        next forward. Nothing of its answer applies to this host before begin_step(): a peer's state, sent or
-        taken, and the new membership (its generation's folder opened, the older ones retired) wait for it. So a
-        checkpoint this host writes meanwhile after all (a stop's, a script's) cannot see its own folder retired by
-        its own quorum; by another host's opening the generation both are in, it may (fence() then waits for this
-        host's answer: not fenced, that checkpoint not committed, its state the others' too)."""
-        if self._early is None:
-            self._early = self._ask()
-
-    def settle_early(self) -> None:
-        """A quorum asked early and not taken by a begin_step() (the loop ended after that step): its answer taken
-        now, before a sum over the hosts (torchft's waits for the quorum in flight, which may wait for this thread)."""
-        if self._early is not None:
-            self.begin_step()
-
-    def _ask(self) -> "_Asked":
+        in a thread of its own while this one calls `meanwhile` (the step's first batch, read at the shares trained
+        now: read again by the caller when they changed). What the quorum does to the run's state (a peer's state
+        taken, the newest checkpoint read, this host's state sent to a peer) waits until `meanwhile` returned: a
+        batch read meanwhile may draw from torch's generator, which a checkpoint holds."""
+        if meanwhile is None:
+            return self._begin_step(), None
         asked = _Asked()
         self._settled = asked.settled.wait  # before the quorum's thread starts: its first wait must see it
         asked.start(self._begin_step)
-        return asked
+        try:
+            try:
+                got = meanwhile()
+            finally:
+                asked.settled.set()
+            waited = time.perf_counter()
+            changed = asked.answer()
+        finally:
+            self._settled = _SETTLED
+        self.timing.add("quorum", time.perf_counter() - waited)  # its exposed part: the rest overlapped the batch
+        return changed, got
 
     def _begin_step(self, timed: bool = True) -> bool:
         # Before asking for a quorum (a host that is in a newer generation is inside its quorum call, not here): a
         # newer generation on disk is one that was formed without this host.
         self.check_fence("after an abandoned step" if self.abandoned else "at a step's start")
+        self.timing.since_commit("optimizer")
         self.healed = False
         self.group.configured_s = self.transport.moved_s = 0.0
         began = time.perf_counter()
@@ -323,7 +291,6 @@ class InPlace:
                                "checkpoint)") from None
         finally:
             answered.set()
-        self._settled()  # the run's and this record's changes below: once begin_step()'s caller is there
         if self._waiting_said is not None:
             log.info("in place: the lighthouse at %s answers again: this host rejoined it after %.1f s, its processes "
                      "as they were", lighthouses.shown(self.relay.current) if self.relay is not None else
@@ -334,6 +301,7 @@ class InPlace:
         # meanwhile) is not the one before it, and its step is abandoned.
         quorum = (self.group.asked, replica or 0, replicas)
         changed = quorum != self.quorum or self.healed
+        self.step_began = time.perf_counter()
         if quorum != self.quorum:
             nproc = self.ctx.topology.local_world_size
             rank, world = (replica or 0) * nproc + self.ctx.topology.local_rank, replicas * nproc
@@ -347,6 +315,7 @@ class InPlace:
             self.quorum = quorum
         # torchft heals from the furthest host of the quorum; the job may be further still: hosts that trained on and
         # left (finished, or lost) while this one started. Then every host here goes on from the newest checkpoint.
+        self._settled()
         step = self.newer() if changed else None
         if step is not None:
             self.set_step(step)
@@ -531,7 +500,6 @@ class InPlace:
         import torch
         from torch.distributed import ReduceOp
 
-        self.settle_early()
         flag = torch.tensor([1.0 if wrote else 0.0], device=self.device)  # NCCL's tensors: on the GPU
         return bool(self.manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()) and flag.item() > 0 \
             and self.manager.errored() is None
@@ -583,21 +551,8 @@ class InPlace:
         """A checkpoint of this host's was not committed, its generation having ended (the checkpointer calls it):
         Fenced if the job went on without this host; else the membership changed while it wrote, this host with it."""
         newest = self.newest_generation()
-        if self.quorum is not None and newest is not None and newest > self.quorum[0] and not self._asked_into(newest):
+        if self.quorum is not None and newest is not None and newest > self.quorum[0]:
             raise self._fenced(self.quorum[0], newest, "before committing a checkpoint")
-
-    def _asked_into(self, generation: int) -> bool:
-        """Whether this host's quorum in flight (ask_early()) put it in `generation`: the one another host opened
-        while this one wrote. Every member of a quorum is answered at once: waited for briefly, not for a quorum
-        this host is not in (it was frozen, and the job went on without it: fenced)."""
-        if self._early is None:
-            return False
-        deadline = time.monotonic() + ANSWERED_S
-        while (self.generations.generation or 0) < generation:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
 
     @staticmethod
     def _fenced(own: int, newest: int, when: str) -> Fenced:

@@ -310,7 +310,7 @@ class Run:
         state = self._state
         yield from self._course.steps(batches, Source(self.settings.grad_accum, lambda: state.position,
                                                   state.over, self.observers.batches, self.no_sync,
-                                                  self._once, self._model, self._course.quiet_after))
+                                                  self._once, self._model))
 
     def step(self, **scalars) -> bool:
         """Count an optimizer step you took yourself (once per step, after optimizer.step()): the scalars are
