@@ -11,6 +11,10 @@ and how many ms a step it spends outside it: in place's minus the restart path's
 speed mostly taken out), and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part,
 the optimizer and what follows it, the rest).
 
+Each run's processes import the trainer from PYTHONPATH's tree as it is when that run starts: a tree edited while the
+bench runs mixes two codes between its rounds. For an A/B, run the code under test from a copy too (a clone of the
+commit), and the code before it with --baseline.
+
     python -m bench.step_cost --rounds 3 --steps 400 [--baseline /tmp/before]
     python -m bench.step_cost --model vgg11 --batch-size 8 --lr 0.01 --checkpoint-every 20   # 129 M parameters
 """
