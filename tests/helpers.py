@@ -220,20 +220,62 @@ def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | 
         pid = json.loads(server.stdout.readline())["pid"]
         timed_out = threading.Event()
 
-        def kill() -> None:  # a hang fails as subprocess.run's would
+        tree: list[str] = []
+
+        def kill() -> None:  # a hang fails as subprocess.run's would, with what it said and where each process was
             timed_out.set()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            family = _descendants(pid)
+            tree.extend(_where(member) for member in family)
+            for member in family:  # torchrun's workers too: none left running after the test
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member, signal.SIGKILL)
         hung = threading.Timer(timeout, kill)
         hung.start()
         try:
             code = json.loads(server.stdout.readline())["exit"]
         finally:
             hung.cancel()
-        if timed_out.is_set():
-            raise subprocess.TimeoutExpired(command, timeout)
         stdout, stderr = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
+        if timed_out.is_set():
+            raise Hung(command, timeout, output=stdout,
+                                            stderr=stderr + "\n[the processes when it timed out]\n" + "\n".join(tree))
     return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+
+class Hung(subprocess.TimeoutExpired):
+    """A forked run that timed out: its message ends with the tail of what it wrote to stderr and where each of its
+    processes was (a hang seen once in CI must say where it hung)."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '')[-6000:]}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """pid and every process below it (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        found.append(queue.pop(0))
+        queue += children.get(found[-1], [])
+    return found
+
+
+def _where(pid: int) -> str:
+    """A process's command line, state and the kernel function it waits in."""
+    proc = Path("/proc") / str(pid)
+    try:
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = (proc / "wchan").read_text(errors="replace") if (proc / "wchan").exists() else "?"
+        threads = len(list((proc / "task").iterdir()))
+    except OSError:
+        return f"{pid}: gone"
+    return f"{pid}: state {state}, waits in {wchan or '-'}, {threads} thread(s): {cmdline[:300]}"
 
 
 def train_ok(args: Sequence[str], cwd: Path, nproc: int | None = None,
