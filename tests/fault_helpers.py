@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from helpers import clean_env
+from helpers import _stat_fields, children, clean_env, descendants, running  # noqa: F401 (the tests import them from here)
 
 POLL_S = 0.05
 # Bounds on waits below turn a hang into a failure; they are not speed goals. A loaded 2-core CI
@@ -39,38 +39,6 @@ def wait_until(condition: Callable[[], object], bound_s: float, what: str):
             return value
         time.sleep(POLL_S)
     raise AssertionError(f"not within {bound_s:.0f} s: {what}")
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields is not None and int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 def _rank_of_worker(pid: int) -> int | None:

@@ -224,7 +224,7 @@ def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | 
 
         def kill() -> None:  # a hang fails as subprocess.run's would, with what it said and where each process was
             timed_out.set()
-            family = _descendants(pid)
+            family = [pid, *descendants(pid)]
             tree.extend(_where(member) for member in family)
             for member in family:  # torchrun's workers too: none left running after the test
                 with contextlib.suppress(ProcessLookupError):
@@ -250,19 +250,36 @@ class Hung(subprocess.TimeoutExpired):
         return f"{super().__str__()}\n{(self.stderr or '')[-6000:]}"
 
 
-def _descendants(pid: int) -> list[int]:
-    """pid and every process below it (from /proc), parents first."""
-    children: dict[int, list[int]] = {}
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry.name))
-    found, queue = [], [pid]
-    while queue:
-        found.append(queue.pop(0))
-        queue += children.get(found[-1], [])
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and int(fields[1]) == pid:
+                found.append(int(entry.name))
     return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
 
 
 def _where(pid: int) -> str:
@@ -270,7 +287,7 @@ def _where(pid: int) -> str:
     proc = Path("/proc") / str(pid)
     try:
         cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = (_stat_fields(pid) or ["gone"])[0]
         wchan = (proc / "wchan").read_text(errors="replace") if (proc / "wchan").exists() else "?"
         threads = len(list((proc / "task").iterdir()))
     except OSError:
