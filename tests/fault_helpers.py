@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from helpers import _stat_fields, children, clean_env, descendants, running  # noqa: F401 (the tests import them from here)
+from helpers import children, clean_env, descendants, running
 
 POLL_S = 0.05
 # Bounds on waits below turn a hang into a failure; they are not speed goals. A loaded 2-core CI

@@ -237,8 +237,8 @@ def run_trainer_forked(args: Sequence[str], cwd: Path, env: Mapping[str, str] | 
             hung.cancel()
         stdout, stderr = (Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
         if timed_out.is_set():
-            raise Hung(command, timeout, output=stdout,
-                                            stderr=stderr + "\n[the processes when it timed out]\n" + "\n".join(tree))
+            where = "\n[the processes when it timed out]\n" + "\n".join(tree)
+            raise Hung(command, timeout, output=stdout, stderr=stderr + where)
     return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
