@@ -1918,3 +1918,112 @@ def test_what_is_summed_stays_the_bucket_when_a_script_re_points_a_gradients_dat
         assert all(torch.equal(g, p.grad) for g, p in zip(accumulated, params))
         for p in params:
             p.grad.data = p.grad.data.clone()  # a script's own tensor under the same .grad
+
+
+class _HostAlone:
+    """torchft's Manager over a group of one host: a managed allreduce leaves the bucket as it is, done at once; the
+    errors reported (a step should_commit() would abandon) kept."""
+
+    def __init__(self):
+        self.errors: list[str] = []
+
+    def allreduce(self, tensor, reduce_op=None):
+        return type("Summed", (), {"wait": lambda self: True})()
+
+    def report_error(self, err: Exception) -> None:
+        self.errors.append(str(err))
+
+
+class _TwoBuckets(torch.nn.Module):
+    """Two buckets in launch order: the last layers' parameters (a first bucket of 1 MiB), then the first layer's.
+    spare: a layer registered last and used by no loss here (its gradient never comes: its bucket, the first, is
+    launched by finish(), after the backward)."""
+
+    def __init__(self, spare: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = torch.nn.Linear(8, 90000), torch.nn.Linear(90000, 3)
+        self.spare = torch.nn.Linear(3, 3) if spare else None
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+    def loss(self, x, y, part: str):
+        # "the whole model": its loss; "the first layer": a loss of the first layer's output alone (an auxiliary one)
+        if part == "the whole model":
+            return torch.nn.functional.cross_entropy(self(x), y)
+        return self.first(x).square().mean()
+
+
+def test_each_gradient_is_its_place_in_the_bucket_as_soon_as_the_backward_makes_it():
+    """DDP's gradient_as_bucket_view, as the gradients arrive: the post-accumulate-grad hook copies each gradient into
+    its bucket, scaled by the host's share, and the parameter's .grad is that place from then on (a view of its own),
+    so the tensor autograd made is freed in the backward instead of held to the commit (where every gradient was in
+    memory twice at the backward's end)."""
+    from trainer.engine.inplace import GradientSum
+
+    net = _TwoBuckets()
+    params = list(net.parameters())
+    summed = GradientSum(params, _HostAlone(), 0.5)
+    summed.hook_parameters()
+    assert len(summed.buckets) == 2
+    places = {id(p): part for _, members in summed.buckets for p, part in members}
+    for step in range(2):
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        expected = torch.autograd.grad(torch.nn.functional.cross_entropy(net(x), y), params)
+        net.zero_grad(set_to_none=True)  # the optimizer's default: autograd makes new gradients every step
+        summed.armed = True
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        for p, g in zip(params, expected):
+            assert p.grad.is_set_to(places[id(p)]) and p.grad is not places[id(p)], step  # its place, its own view
+            assert torch.equal(p.grad, g * 0.5), step  # the host's share, as it went into the bucket
+        summed.finish()
+        summed.apply()
+        summed.new_step()
+        assert not summed.stale and summed.views
+        assert all(torch.equal(p.grad, g * 0.5) for p, g in zip(params, expected))  # a host alone: its own sum
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["gradients made anew", "gradients kept"])
+@pytest.mark.parametrize("first, what", [("the whole model", "a bucket launched"),
+                                         ("the first layer", "a bucket not launched")])
+def test_a_second_backward_in_the_last_micro_batch_abandons_the_step_and_the_next_ones_sum_it_whole(first, what,
+                                                                                                    set_to_none):
+    """Two backward passes in a step's last micro-batch (a loss of `first`, then the model's): a gradient reported
+    twice. Into a bucket already launched, the sum on its way is wrong; into one not launched yet (a layer no loss
+    uses holds it back) but already the gradient's place (adopted in the first backward, or kept there since the
+    last commit by zero_grad(set_to_none=False)), autograd added the second part to the first one, scaled, and they
+    cannot be told apart (scaled again, the sum was silently wrong before). Either way the step is abandoned
+    (reported to the Manager: should_commit() says False on every host), and the steps after it sum each gradient
+    whole: after the backward, or copied in as often as it changes; the sums are the two backward passes' together."""
+    from trainer.engine.inplace import GradientSum
+
+    net = _TwoBuckets(spare=what == "a bucket not launched")
+    params = list(net.parameters())
+    manager = _HostAlone()
+    summed = GradientSum(params, manager, 0.5)
+    summed.hook_parameters()
+    assert len(summed.buckets) == 2
+    for step in range(4):
+        losses = [first, "the whole model"] if step > 0 else ["the whole model"]  # step 0: one backward, committed
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        parts = [torch.autograd.grad(net.loss(x, y, part), params, allow_unused=True) for part in losses]
+        expected = [sum((g for g in gs if g is not None), torch.zeros_like(p)) * 0.5
+                    for p, gs in zip(params, zip(*parts))]
+        net.zero_grad(set_to_none=set_to_none)
+        summed.armed = True
+        for part in losses:
+            net.loss(x, y, part).backward()
+        summed.finish()
+        if step == 1:  # abandoned: what InPlace.commit() does when should_commit() says False
+            assert len(manager.errors) == 1, manager.errors
+            summed.new_step()
+            net.zero_grad(set_to_none=True)
+            assert (summed.overlap, summed.views) == ((False, True) if what == "a bucket launched" else (True, False))
+            continue
+        assert len(manager.errors) == (step > 0), manager.errors  # the steps before and after it commit
+        summed.apply()
+        summed.new_step()
+        for p, g in zip(params, expected):  # the spare layer: no gradient here nor at a peer, None as it was
+            got = torch.zeros_like(p) if p.grad is None else p.grad
+            assert torch.allclose(got, g, rtol=1e-6, atol=1e-7), (step, first)
