@@ -6,7 +6,8 @@ one_run, faults=False), the restart path (RECOVERY=restart) and in place one aft
 in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line
 per run and, at the end, each round's walls and ratios (start-up included), its per-step ratios (the trainer's
 steady-state samples/s from summary.json, the restart path's over each run's: start-up left out), their median over
-the rounds, a control against the machine's speed (each path's compute, forward and backward, of its writing rank,
+the rounds with its 95% interval (a bootstrap over the rounds: a goal is met or missed only when the whole interval
+says so; with --baseline also the code under test over the baseline, round by round), a control against the machine's speed (each path's compute, forward and backward, of its writing rank,
 and how many ms a step it spends outside it: in place's minus the restart path's is its own cost, with the VM's
 speed mostly taken out), and in place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part,
 the optimizer and what follows it, the rest).
@@ -24,10 +25,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 
 from bench.goodput import one_run, stop_on_sigterm
+
+
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """The median's percentile bootstrap interval: the medians of `resamples` draws of as many rounds, with
+    replacement, and the middle `level` of them. Whether a goal is met takes its whole interval on one side: on a
+    shared VM one path's rounds move by 10-20%, and a median of four says little (docs/benchmarks.md, "ResNet-18's
+    gap over 24 rounds")."""
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    cut = int(resamples * (1 - level) / 2)
+    return medians[cut], medians[resamples - 1 - cut]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
                                   "outside_compute_ms": {k: round(v, 1) for k, v in outside.items()}}))
     if ratios:  # the rounds' middle: one slow moment of a shared machine moves a round, not the median
         print(json.dumps({"per step, median of the rounds": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+                          "95% interval of the median": {k: [round(x, 3) for x in median_interval(v)]
+                                                         for k, v in ratios.items()},
                           "range": {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}}))
+        if len(ratios) == 2:  # an A/B: round by round, the code under test over the baseline (the same load)
+            pairs = [a / b for a, b in zip(ratios["in place"], ratios["in place (baseline)"])]
+            print(json.dumps({"in place / in place (baseline), per step, median of the rounds":
+                              round(statistics.median(pairs), 3),
+                              "95% interval of the median": [round(x, 3) for x in median_interval(pairs)]}))
     if controls:
         print(json.dumps({"compute / restart's, median of the rounds": {
             k: round(statistics.median(c for c, _ in v), 3) for k, v in controls.items()},

@@ -289,3 +289,19 @@ def test_bench_torchft_step_cost_refuses_fewer_steps_than_its_warmup_in_one_line
                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: --steps: 10 is not more than --warmup 20 (ask for more steps)"], done.stderr
+
+
+def test_bench_step_cost_says_how_far_its_median_can_be_trusted():
+    """bench/step_cost.py's interval of the median (a percentile bootstrap over the rounds): reproducible, around the
+    median, narrower with more rounds of the same spread, and on one side of a goal only when the rounds are."""
+    from bench.step_cost import median_interval
+
+    rounds = [1.037, 1.069, 1.083, 1.103, 1.067, 1.107, 1.183, 1.053, 1.044, 1.16, 1.055, 0.999]  # the VM's, 2026-12-04
+    low, high = median_interval(rounds)
+    assert (low, high) == median_interval(rounds)  # seeded: a report can be run again
+    assert min(rounds) <= low <= sorted(rounds)[len(rounds) // 2] <= high <= max(rounds)
+    assert low > 1.03  # the goal (<= 1.03x) below the whole interval: not met
+    four_low, four_high = median_interval(rounds[:4])
+    assert four_high - four_low > high - low
+    low, high = median_interval([1.00, 1.06, 0.99, 1.07, 1.02, 1.04])
+    assert low < 1.03 < high  # a goal inside the interval: these rounds do not settle it
