@@ -16,7 +16,10 @@ project's engine, so that the fault-free goals of issue 46 can be read against t
     cores, 2 is the load of a two-host training run such as bench.step_cost's).
 
 Prints one JSON line per replica per load, and a summary line per load: the medians (ms) of the quorum, the flag's
-sum and should_commit, their total, and that total as a share of --step-ms plus itself.
+sum and should_commit, their total, and that total as a share of --step-ms plus itself. Beside them, not in the
+total: `direct`, the same float summed right after on the same group, called directly rather than through the
+Manager's allreduce: `flag` minus `direct` is what torchft's wrapper (its timeout's registration, the managed work's
+chain of callbacks) adds to each sum the trainer launches through it.
 
     python -m bench.torchft_step_cost --steps 300 --busy 0 2 --step-ms 150
 """
@@ -37,39 +40,46 @@ from pathlib import Path
 
 from bench.goodput import free_port, stop_on_sigterm
 
-PARTS = ("quorum", "flag", "commit")
+PARTS = ("quorum", "flag", "commit")  # torchft's contract, summed in the total
+BESIDE = ("direct",)  # the flag's sum on the same group without the Manager's wrapper: not part of the contract
 
 
 def replica(args) -> int:
     """One replica group of one process: --steps steps of torchft's contract; its timings as one JSON line."""
     import torch
-    from torch.distributed import ReduceOp, TCPStore
+    from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
     from torchft import Manager, ProcessGroupGloo
 
     torch.set_num_threads(1)
     _store = TCPStore("127.0.0.1", args.store_port, is_master=True, wait_for_workers=False)  # the host's own
     timeout = timedelta(seconds=30)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda state: None,
+    group = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(pg=group, load_state_dict=lambda state: None,
                       state_dict=lambda: {}, min_replica_size=2, use_async_quorum=False,  # as the trainer asks
                       timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=30), rank=0,
                       world_size=1, store_addr="127.0.0.1", store_port=args.store_port,
                       lighthouse_addr=args.lighthouse, replica_id=f"bench_{args.replica}", hostname="127.0.0.1")
     flag = torch.zeros(1)
-    spent: dict[str, list[float]] = {part: [] for part in PARTS}
+    options = AllreduceOptions()
+    options.reduceOp = ReduceOp.SUM
+    spent: dict[str, list[float]] = {part: [] for part in (*PARTS, *BESIDE)}
     for step in range(args.steps):
         began = time.perf_counter()
         manager.start_quorum()
         quorum = time.perf_counter()
         manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()
         summed = time.perf_counter()
+        group.allreduce([flag], options).wait()  # the same sum, the group called directly
+        direct = time.perf_counter()
         committed = manager.should_commit()
         done = time.perf_counter()
         if not committed:
             print(f"error: replica {args.replica}: step {step} did not commit", file=sys.stderr)
             return 1
         if step >= args.warmup:
-            for part, seconds in zip(PARTS, (quorum - began, summed - quorum, done - summed)):
+            for part, seconds in zip((*PARTS, *BESIDE), (quorum - began, summed - quorum, done - direct,
+                                                          direct - summed)):
                 spent[part].append(seconds * 1e3)
         until = done + args.step_ms / 1e3
         while time.perf_counter() < until:  # the step's compute, on a core
@@ -124,8 +134,8 @@ def one_load(args, busy: int, work: Path) -> dict:
                 proc.wait()
     for line in lines:
         print(json.dumps({"busy": busy, **line}), flush=True)
-    medians = {part: round(statistics.median(line[part] for line in lines), 2) for part in PARTS}
-    total = round(sum(medians.values()), 2)
+    medians = {part: round(statistics.median(line[part] for line in lines), 2) for part in (*PARTS, *BESIDE)}
+    total = round(sum(medians[part] for part in PARTS), 2)
     from importlib.metadata import version
 
     return {"torchft": version("torchft"), "busy": busy, "step_ms": args.step_ms, **medians, "total": total,
