@@ -1022,6 +1022,12 @@ FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 
 
+STALE = {  # GradientSum.stale: (what happened to a gradient, what the host does from then on)
+    "launched": ("changed after its sum over the hosts had been launched", "sums its gradients after the backward"),
+    "added to": ("was added to after it had been taken into its bucket", "copies its gradients into the sum"),
+}
+
+
 class GradientSum:
     """The sum of the step's gradients over the hosts, overlapped with the backward pass (InPlace.commit waits for it).
 
@@ -1155,7 +1161,8 @@ class GradientSum:
                     # now on; that is only later in time, the launches stay in order, so the hosts still pair.
                     self.stale = "launched"
                     continue
-                if id(p) in self.seen and value.is_set_to(part):
+                there = value.is_set_to(part)
+                if there and id(p) in self.seen:
                     # A second backward added to a gradient that is its place in the bucket (adopted below, or kept
                     # there by zero_grad(set_to_none=False)): autograd added the new part to the scaled first one,
                     # and the two cannot be told apart any more. The step is abandoned, and from now on the
@@ -1163,8 +1170,8 @@ class GradientSum:
                     # again, whole, as often as it changes).
                     self.stale = self.stale or "added to"
                     continue
-                self._take(part, value)
-                if adopt and not value.is_set_to(part) and p.is_contiguous() and value.is_contiguous():
+                self._take(part, value, there)
+                if adopt and not there and p.is_contiguous() and value.is_contiguous():
                     # DDP's gradient_as_bucket_view, as the gradient arrives: the .grad is its place in the bucket
                     # from now on (a view of its own, as apply() gives), and the tensor the backward made for it is
                     # freed now. Held to the commit, every gradient but the largest was in memory twice at the
@@ -1178,12 +1185,12 @@ class GradientSum:
                 self._launch()
                 self.launched_early += 1
 
-    def _take(self, part, value) -> None:
-        """A gradient into its place in a bucket, scaled (one pass; in place where the gradient is that place already:
-        apply() made it so, and the user's zero_grad(set_to_none=False) kept it)."""
+    def _take(self, part, value, there: bool) -> None:
+        """A gradient into its place in a bucket, scaled (one pass; in place where the gradient is that place already,
+        `there`: adopted, or made so by apply() and kept by the user's zero_grad(set_to_none=False))."""
         import torch
 
-        if value.is_set_to(part):
+        if there:
             if self.scale != 1.0:
                 part.mul_(self.scale)
         elif self.scale != 1.0:
@@ -1202,25 +1209,22 @@ class GradientSum:
         add their .grad or zeros), then every sum waited for (an error is torchft's to report: should_commit)."""
         with self.lock:
             self.armed = False
-            if self.stale == "launched":
-                self.overlap = False
-                log.warning("in place: a gradient changed after its sum over the hosts had been launched (more than "
-                            "one backward pass in the step's last micro-batch): this step is taken again, and this "
-                            "host sums its gradients after the backward from now on")
-                self.manager.report_error(RuntimeError("a gradient changed after its sum was launched"))
-            elif self.stale == "added to":
-                self.views = False
-                log.warning("in place: a gradient was added to after it had been taken into its bucket (more than "
-                            "one backward pass in the step's last micro-batch): this step is taken again, and this "
-                            "host copies its gradients into the sum from now on")
-                self.manager.report_error(RuntimeError("a gradient changed after it was taken into its bucket"))
+            if self.stale is not None:  # what went wrong, and what this host does from now on (see ready())
+                what, then = STALE[self.stale]
+                if self.stale == "launched":
+                    self.overlap = False
+                else:
+                    self.views = False
+                log.warning("in place: a gradient %s (more than one backward pass in the step's last micro-batch): "
+                            "this step is taken again, and this host %s from now on", what, then)
+                self.manager.report_error(RuntimeError(f"a gradient {what}"))
             while self.launched < len(self.buckets):
                 members = self.buckets[self.launched][1]
                 for p, part in members:
                     if id(p) in self.seen:
                         continue
                     if p.grad is not None:
-                        self._take(part, p.grad)
+                        self._take(part, p.grad, p.grad.is_set_to(part))
                     else:
                         part.zero_()
                 self._launch()
