@@ -1171,12 +1171,11 @@ class GradientSum:
                     self.stale = self.stale or "added to"
                     continue
                 self._take(part, value, there)
-                if adopt and not there and p.is_contiguous() and value.is_contiguous():
-                    # DDP's gradient_as_bucket_view, as the gradient arrives: the .grad is its place in the bucket
-                    # from now on (a view of its own, as apply() gives), and the tensor the backward made for it is
-                    # freed now. Held to the commit, every gradient but the largest was in memory twice at the
-                    # backward's end (its tensor and its place): 45 MiB more at ResNet-18's peak, 111 at VGG-11's.
-                    p.grad = part.view_as(p)
+                if adopt and not there:
+                    # As the gradient arrives, not at the commit: the tensor the backward made for it is freed now.
+                    # Held to the commit, every gradient but the largest was in memory twice at the backward's end
+                    # (its tensor and its place): 45 MiB more at ResNet-18's peak, 111 at VGG-11's.
+                    self._as_place(p, part)
                 if id(p) not in self.seen:
                     self.seen.add(id(p))
                     self.counts[index] += 1
@@ -1243,14 +1242,18 @@ class GradientSum:
                         p.grad = part.clone()
                 elif not self.views:
                     p.grad.copy_(part)
-                elif p.grad.is_set_to(part):
-                    continue
-                elif p.is_contiguous() and p.grad.is_contiguous():
-                    # A view of its own: the sum's own view never leaves it (code that re-pointed a .grad's .data
-                    # would otherwise move where the next step's gradient is summed)
-                    p.grad = part.view_as(p)
-                else:
-                    p.grad.copy_(part)
+                elif not p.grad.is_set_to(part) and not self._as_place(p, part):
+                    p.grad.copy_(part)  # laid out otherwise: a copy in its own layout
+
+    @staticmethod
+    def _as_place(p, part) -> bool:
+        """p's .grad becomes its place in the bucket (DDP's gradient_as_bucket_view), where both are laid out alike:
+        a view of its own, the sum's own view never leaves it (code that re-pointed a .grad's .data would otherwise
+        move where the next step's gradient is summed). False: laid out otherwise (channels_last), left as it is."""
+        if not (p.is_contiguous() and p.grad.is_contiguous()):
+            return False
+        p.grad = part.view_as(p)
+        return True
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
