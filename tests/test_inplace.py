@@ -432,15 +432,22 @@ def test_a_host_lost_while_it_writes_a_checkpoint_leaves_the_older_ones_and_the_
 @pytest.mark.slow
 def test_a_host_lost_during_validation_costs_the_other_nothing_there(hosts, tmp_path, launches):
     """Each host validates the whole set on its own (no collective across the hosts): the survivor finishes its
-    validation, then regroups at its next step."""
-    port, samples = free_port(), 1280
+    validation, then regroups at its next step. The first holds at step 20 of epoch 0's 40 until the second asks
+    for its first quorum: however slowly the second starts on a loaded machine, it joins in epoch 0 and validates
+    it (without the hold, a second host that took 6 s to start joined after epoch 0's validation, and never had
+    one to be lost in)."""
+    port, samples, hold = free_port(), 1280, tmp_path / "hold"
     args = ("--epochs", "2", "--validate", "4")
-    first = host(tmp_path, port, "hostA", hosts[0], *args, samples=samples)
+    first = host(tmp_path, port, "hostA", hosts[0], *args, "--hold-at", "20", "--hold-until", str(hold),
+                 samples=samples)
     launches.append(first)
     time.sleep(2)
     second = host(tmp_path, port, "hostB", hosts[1], *args, samples=samples)
     launches.append(second)
     survivor = worker_pid(first)
+    wait_until(lambda: "INFO training " in second.output(), RUN_BOUND_S,
+               f"the second host started\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
+    hold.touch()
     wait_until(lambda: "validating after epoch 0" in second.output(), RUN_BOUND_S,
                f"the first validation\n{first.output()[-3000:]}\n{second.output()[-3000:]}")
     os.kill(second.pid, signal.SIGKILL)
