@@ -972,6 +972,86 @@ def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():
 
 
 
+PEER_OF_TWO = """
+import sys
+from datetime import timedelta
+
+import torch
+from torch.distributed import AllreduceOptions, ReduceOp
+
+from trainer.engine.replica_group import GlooReplicaGroup
+
+group = GlooReplicaGroup(timeout=timedelta(seconds=60))
+group.configure(sys.argv[1], "peer", 1, 2, 1)
+options = AllreduceOptions()
+options.reduceOp = ReduceOp.SUM
+group.allreduce([torch.full((1000,), 2.0)], options).wait()
+print("summed once", flush=True)
+import os
+os._exit(0)  # lost before the second sum: its socket closed, no goodbye
+"""
+
+
+class _Manager:
+    """What HostSums reads of torchft's Manager: whether this step already failed, and where a failure is reported
+    (should_commit() then says False). Its allreduce must not be called on the direct path."""
+
+    def __init__(self):
+        self.errors: list[BaseException] = []
+
+    def errored(self):
+        return self.errors[0] if self.errors else None
+
+    def report_error(self, err: BaseException) -> None:
+        self.errors.append(err)
+
+    def is_participating(self) -> bool:
+        return True
+
+    def allreduce(self, tensor, reduce_op=None):
+        raise AssertionError("the Manager's allreduce was called on gloo")
+
+
+def test_a_sum_on_the_replica_group_called_directly_reports_a_lost_peer_to_the_manager_and_never_raises():
+    """HostSums on gloo (every sum of in place: the buckets, the reload flag, the buffers, the end's flag) calls
+    torchft's replica group directly, without the Manager's managed work, and keeps its contract: a sum with its
+    peer adds; a sum whose peer was lost is reported to the Manager (the step abandoned) and its wait() returns
+    False instead of raising, within gloo's own detection of the lost peer rather than the collective timeout; once
+    the step failed nothing more is launched, so the tensor is left as it was."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from trainer.engine.inplace import HostSums
+    from trainer.engine.replica_group import GlooReplicaGroup
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{port}/sums"
+    peer = subprocess.Popen([sys.executable, "-c", PEER_OF_TWO, address], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        group = GlooReplicaGroup(timeout=timedelta(seconds=60))
+        group.configure(address, "here", 0, 2, 1)
+        manager = _Manager()
+        sums = HostSums(manager, group)
+        first = torch.ones(1000)
+        assert sums.launch(first).wait() is True
+        assert torch.equal(first, torch.full((1000,), 3.0)) and not manager.errors
+        assert peer.wait(RUN_BOUND_S) == 0 and "summed once" in peer.stdout.read()
+        began = time.monotonic()
+        second = torch.ones(1000)
+        assert sums.launch(second).wait() is False
+        assert time.monotonic() - began < 30, "waited for the collective timeout, not for the lost peer's socket"
+        assert len(manager.errors) == 1, manager.errors
+        third = torch.ones(1000)
+        assert sums.launch(third).wait() is False  # not launched: the step already failed
+        assert torch.equal(third, torch.ones(1000)) and len(manager.errors) == 1
+    finally:
+        peer.kill()
+        del store
+
+
 def test_on_cuda_the_replica_group_is_torchfts_nccl_group_in_a_child_process_and_on_cpus_its_gloo_group():
     """trainer.engine.replica_group: workers on CUDA sum over torchft's baby NCCL group (NCCL in a child process of
     each worker: a lost peer cannot take the worker's CUDA context with it), workers on CPUs over its gloo group; the

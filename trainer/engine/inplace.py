@@ -44,8 +44,8 @@ Why not torchft's own DistributedDataParallel: with torch 2.14 and gloo its comm
 first lost peer (ManagedWork.wait() reports the gloo error and leaves the future unset), and it relies on
 find_unused_parameters=True to keep torch's reducer from rebuilding its buckets, whose layout would then differ
 between a host that just joined and the others (their sums would pair different gradients). GradientSum has neither
-problem: torchft's managed allreduce (whose errors go to the Manager, and should_commit) on buckets laid out from the
-model alone, never from the order gradients arrived in; the host's DDP only says when its (rebuilt, whatever their
+problem: sums on torchft's group whose errors go to the Manager, and should_commit (HostSums), on buckets laid out
+from the model alone, never from the order gradients arrived in; the host's DDP only says when its (rebuilt, whatever their
 layout) buckets are averaged (docs/benchmarks.md has the cost).
 Whether an installed torchft's wrapper still crashes: `python -m bench.torchft_ddp_crash` (one line, either way).
 """
@@ -203,6 +203,9 @@ class InPlace:
                                                                                               self.lighthouses),
                                           HostStore(ctx, timeout) if ctx.topology.local_world_size > 1 else None)
         self.manager._client = self.generations
+        # Every sum over the hosts (the buckets, the reload flag, the buffers, the end's flag) goes through this: on
+        # gloo the group called directly, on NCCL the Manager's allreduce (HostSums says why).
+        self.sums = HostSums(self.manager, self.group if self.device.type == "cpu" else None)
         if self.relay is not None:
             self.lease = lighthouses.Lease(self.relay, self._holds_lease)
         self._waiting_said: float | None = None  # when it said that it waits for the lighthouse
@@ -333,10 +336,9 @@ class InPlace:
         commit."""
         if self._reloads_work is None:
             import torch
-            from torch.distributed import ReduceOp
 
             self._reloads_flag = torch.tensor([float(self.reloaded)], device=self.device)  # NCCL: on the GPU
-            self._reloads_work = self.manager.allreduce(self._reloads_flag, reduce_op=ReduceOp.SUM)
+            self._reloads_work = self.sums.launch(self._reloads_flag)
         return self._reloads_work
 
     def _while_asked(self, answered) -> None:
@@ -431,7 +433,7 @@ class InPlace:
         if fresh or self.summed is None or not self.summed.matches(params):
             if self.summed is not None:
                 self.summed.remove_hooks()
-            self.summed = GradientSum(params, self.manager, self.share_scale())
+            self.summed = GradientSum(params, self.manager, self.share_scale(), sums=self.sums)
         return self.summed
 
     def share_scale(self) -> float:
@@ -453,7 +455,7 @@ class InPlace:
         if reloads and self.manager.num_participants() > 1:
             self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
                                                    "to the furthest of them first"))
-        buffers = self.chain.of_share_0(self.manager, self.rank == 0, self.ctx.topology.local_rank) \
+        buffers = self.chain.of_share_0(self.sums, self.rank == 0, self.ctx.topology.local_rank) \
             if self.chain is not None else None
         try:
             committed = self.manager.should_commit()
@@ -498,10 +500,9 @@ class InPlace:
         """The end, on every host: whether the host that writes committed the last checkpoint (a sum over the hosts;
         False if it failed, or a host was lost meanwhile)."""
         import torch
-        from torch.distributed import ReduceOp
 
         flag = torch.tensor([1.0 if wrote else 0.0], device=self.device)  # NCCL's tensors: on the GPU
-        return bool(self.manager.allreduce(flag, reduce_op=ReduceOp.SUM).wait()) and flag.item() > 0 \
+        return bool(self.sums.launch(flag).wait()) and flag.item() > 0 \
             and self.manager.errored() is None
 
     def take_over(self) -> None:
@@ -938,6 +939,59 @@ class QuorumFailed(Exception):
     """The lighthouse went away, or a quorum never formed (fewer hosts than the job's fewest for too long)."""
 
 
+class HostSums:
+    """Sums over the hosts (ReduceOp.SUM) with the contract of torchft's managed allreduce: launch() never raises and
+    its work's wait() never raises (True: summed; False: a failure, reported to the Manager, whose should_commit()
+    then says False on every host, so the step applies nothing); once the Manager has an error this step, nothing
+    more is launched (what is in the tensor then is never applied).
+
+    On gloo (`direct`) the sums go to the replica group itself, the very group the Manager was given, in the order
+    they are issued, as the Manager's would: its allreduce wraps each sum in a managed work, a chain of futures and a
+    timer on torchft's event-loop thread, 0.55-0.72 ms a sum on this project's 2-core VM
+    (`python -m bench.torchft_step_cost`'s `direct`, docs/benchmarks.md), five a step at ResNet-18, on the training
+    thread and on a thread that shares its cores. Gloo's own timeout (the group's, the collective timeout the Manager
+    has too) ends a sum a peer never joins, as the Manager's timer would. A host that does not take part in the
+    quorum's sums (torchft's healing replica under its async quorum, not used here) goes through the Manager, which
+    sends zeros for it. NCCL keeps the Manager's sum: its managed work orders the CUDA streams, and no GPU has run
+    the direct path."""
+
+    def __init__(self, manager, group=None):
+        self.manager, self.group = manager, group
+
+    def launch(self, tensor):
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        if self.group is None or not self.manager.is_participating():
+            return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        if self.manager.errored() is not None:
+            return _Summed(None, self.manager)
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        try:
+            return _Summed(self.group.allreduce([tensor], options), self.manager)
+        except Exception as err:  # noqa: BLE001 (a group whose rendezvous failed, a peer gone: the step's, not the run's)
+            self.manager.report_error(err)
+            return _Summed(None, self.manager)
+
+
+class _Summed:
+    """A sum launched by HostSums on the group directly: wait() reports a failure to the Manager instead of raising.
+    `work` None: not launched (the step already failed)."""
+
+    def __init__(self, work, manager):
+        self.work, self.manager = work, manager
+
+    def wait(self) -> bool:
+        if self.work is None:
+            return False
+        try:
+            self.work.wait()
+            return True
+        except Exception as err:  # noqa: BLE001 (gloo's error for a lost peer, or its timeout)
+            self.manager.report_error(err)
+            return False
+
+
 class BufferChain:
     """The model's buffers (BatchNorm's running statistics and num_batches_tracked) as the job's largest world keeps
     them. Under DistributedDataParallel (broadcast_buffers, its default) every forward starts from rank 0's buffers,
@@ -989,12 +1043,11 @@ class BufferChain:
 
         return context
 
-    def of_share_0(self, manager, holds: bool, local_rank: int):
+    def of_share_0(self, sums: HostSums, holds: bool, local_rank: int):
         """The buffers of the process that trained share 0, summed over the hosts (float64: exact for float32 and
         for counts below 2**53); None for a host's other processes, whose own DistributedDataParallel gives them
         its first process's buffers at the next forward (their groups over the hosts hold no share 0)."""
         import torch
-        from torch.distributed import ReduceOp
 
         if local_rank != 0:
             return None
@@ -1002,7 +1055,7 @@ class BufferChain:
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
         if not holds:
             flat.zero_()
-        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        sums.launch(flat).wait()
         return flat
 
     def take(self, flat) -> None:
@@ -1041,24 +1094,27 @@ class GradientSum:
     run in no_sync and accumulate), so readiness counts only while `armed`. It is reported by `ready(params,
     values)`: a post-accumulate-grad hook per parameter on a host of one process, or the host's DDP comm hook (the
     host-averaged gradients) on a host of several. Each gradient is copied into its bucket scaled by the host's
-    share of the mean (`scale`), and a bucket whose every parameter is ready has its sum launched on torchft's
-    managed group (non-blocking). A hooked gradient becomes its place in the bucket as soon as it is copied in (the
+    share of the mean (`scale`), and a bucket whose every parameter is ready has its sum launched over the hosts
+    (non-blocking; HostSums: torchft's gloo group called directly, or the Manager's allreduce). A hooked gradient becomes its place in the bucket as soon as it is copied in (the
     tensor autograd made freed in the backward), the others at apply(), after a commit. That is DDP's arithmetic,
     memory traffic and memory (it divides as it copies into its buckets, and its gradients are views of them):
     scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs
     the collectives of a group by the order they are issued, whatever thread issues them, so the buckets are
     launched strictly in index order on every host: a bucket ready before the one ahead of it waits for it.
     `finish()` launches what is left (a parameter that got no gradient this step adds its .grad from earlier
-    micro-batches, or zeros, as the one flat sum did) and waits: what torchft's managed allreduce met (a lost host) it
-    reports to the Manager, whose should_commit() then says False on every host, and the step applies nothing."""
+    micro-batches, or zeros, as the one flat sum did) and waits: what a sum met (a lost host) is reported to the
+    Manager, whose should_commit() then says False on every host, and the step applies nothing."""
 
     def __init__(self, params: list, manager, scale: float = 1.0, first_bytes: int = FIRST_BUCKET_BYTES,
-                 bytes_: int = BUCKET_BYTES):
+                 bytes_: int = BUCKET_BYTES, sums: HostSums | None = None):
         """scale: this host's gradients' weight in the mean over the largest world (its processes / the largest world's
-        ranks), applied as they are copied in (DDP divides while copying into its buckets too): no pass of its own."""
+        ranks), applied as they are copied in (DDP divides while copying into its buckets too): no pass of its own.
+        sums: how the buckets are summed (InPlace's: on gloo, the replica group called directly); by default the
+        Manager's allreduce."""
         import torch
 
         self.params, self.manager, self.scale = params, manager, scale
+        self.sums = sums if sums is not None else HostSums(manager)
         self.buckets: list[tuple[Any, list]] = []  # (flat tensor, [(parameter, its place in it)]) in launch order
         self.slot: dict[int, tuple[int, Any]] = {}  # id(parameter) -> (bucket, its place in it)
         members: list = []
@@ -1198,9 +1254,7 @@ class GradientSum:
             part.copy_(value)
 
     def _launch(self) -> None:
-        from torch.distributed import ReduceOp
-
-        self.works.append(self.manager.allreduce(self.buckets[self.launched][0], reduce_op=ReduceOp.SUM))
+        self.works.append(self.sums.launch(self.buckets[self.launched][0]))
         self.launched += 1
 
     def finish(self) -> None:
