@@ -1751,8 +1751,25 @@ def standalone_lighthouse(where: Host, port: int, out: Path) -> subprocess.Popen
     proc = subprocess.Popen([*where.prefix, sys.executable, "-m", "trainer.cluster.lighthouse", "--port", str(port),
                              "--join-timeout", "10"], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO), "RUST_LOG": "info"})
+    STANDALONE.append(proc)
     wait_until(lambda: lighthouse_answers(where, port), 30, "the lighthouse to answer")
     return proc
+
+
+STANDALONE: list[subprocess.Popen] = []  # the standalone lighthouses a test started: stopped when it ends
+
+
+@pytest.fixture(autouse=True)
+def _no_lighthouse_left():
+    """A standalone lighthouse left running outlives its test's network namespace (its parent is init then): each
+    one a test started is killed when the test ends, passed or failed (slow_starters' were left running for
+    good, three per run of this file, ticking on the machine's cores through the runs after it)."""
+    yield
+    while STANDALONE:
+        proc = STANDALONE.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def lighthouse_answers(where: Host, port: int, address: str = MASTER_ADDR) -> bool:
