@@ -45,8 +45,8 @@ first lost peer (ManagedWork.wait() reports the gloo error and leaves the future
 find_unused_parameters=True to keep torch's reducer from rebuilding its buckets, whose layout would then differ
 between a host that just joined and the others (their sums would pair different gradients). GradientSum has neither
 problem: sums on torchft's group whose errors go to the Manager, and should_commit (HostSums), on buckets laid out
-from the model alone, never from the order gradients arrived in; the host's DDP only says when its (rebuilt, whatever their
-layout) buckets are averaged (docs/benchmarks.md has the cost).
+from the model alone, never from the order gradients arrived in; the host's DDP only says when its (rebuilt,
+whatever their layout) buckets are averaged (docs/benchmarks.md has the cost).
 Whether an installed torchft's wrapper still crashes: `python -m bench.torchft_ddp_crash` (one line, either way).
 """
 
@@ -942,10 +942,10 @@ class QuorumFailed(Exception):
 class HostSums:
     """Sums over the hosts (ReduceOp.SUM) with the contract of torchft's managed allreduce: launch() never raises and
     its work's wait() never raises (True: summed; False: a failure, reported to the Manager, whose should_commit()
-    then says False on every host, so the step applies nothing); once the Manager has an error this step, nothing
-    more is launched (what is in the tensor then is never applied).
+    then says False, so the step applies nothing; a lost host fails the sum on every host); once the Manager has an
+    error this step, nothing more is launched (what is in the tensor then is never applied).
 
-    On gloo (`direct`) the sums go to the replica group itself, the very group the Manager was given, in the order
+    On gloo (`group` given) the sums go to the replica group itself, the very group the Manager was given, in the order
     they are issued, as the Manager's would: its allreduce wraps each sum in a managed work, a chain of futures and a
     timer on torchft's event-loop thread, 0.55-0.72 ms a sum on this project's 2-core VM
     (`python -m bench.torchft_step_cost`'s `direct`, docs/benchmarks.md), five a step at ResNet-18, on the training
@@ -956,20 +956,20 @@ class HostSums:
     the direct path."""
 
     def __init__(self, manager, group=None):
-        self.manager, self.group = manager, group
-
-    def launch(self, tensor):
         from torch.distributed import AllreduceOptions, ReduceOp
 
+        self.manager, self.group = manager, group
+        self.options = AllreduceOptions()
+        self.options.reduceOp = ReduceOp.SUM
+
+    def launch(self, tensor):
         if self.group is None or not self.manager.is_participating():
-            return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+            return self.manager.allreduce(tensor, reduce_op=self.options.reduceOp)
         if self.manager.errored() is not None:
             return _Summed(None, self.manager)
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
         try:
-            return _Summed(self.group.allreduce([tensor], options), self.manager)
-        except Exception as err:  # noqa: BLE001 (a group whose rendezvous failed, a peer gone: the step's, not the run's)
+            return _Summed(self.group.allreduce([tensor], self.options), self.manager)
+        except Exception as err:  # noqa: BLE001 (a group whose rendezvous failed, a peer gone: the step's)
             self.manager.report_error(err)
             return _Summed(None, self.manager)
 
@@ -1095,10 +1095,10 @@ class GradientSum:
     values)`: a post-accumulate-grad hook per parameter on a host of one process, or the host's DDP comm hook (the
     host-averaged gradients) on a host of several. Each gradient is copied into its bucket scaled by the host's
     share of the mean (`scale`), and a bucket whose every parameter is ready has its sum launched over the hosts
-    (non-blocking; HostSums: torchft's gloo group called directly, or the Manager's allreduce). A hooked gradient becomes its place in the bucket as soon as it is copied in (the
-    tensor autograd made freed in the backward), the others at apply(), after a commit. That is DDP's arithmetic,
-    memory traffic and memory (it divides as it copies into its buckets, and its gradients are views of them):
-    scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs
+    (non-blocking; HostSums: torchft's gloo group called directly, or the Manager's allreduce). A hooked gradient
+    becomes its place in the bucket as soon as it is copied in (the tensor autograd made freed in the backward), the
+    others at apply(), after a commit. That is DDP's arithmetic, memory traffic and memory (it divides as it copies
+    into its buckets, and its gradients are views of them): scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs
     the collectives of a group by the order they are issued, whatever thread issues them, so the buckets are
     launched strictly in index order on every host: a bucket ready before the one ahead of it waits for it.
     `finish()` launches what is left (a parameter that got no gradient this step adds its .grad from earlier
