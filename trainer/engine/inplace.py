@@ -1098,12 +1098,13 @@ class GradientSum:
     (non-blocking; HostSums: torchft's gloo group called directly, or the Manager's allreduce). A hooked gradient
     becomes its place in the bucket as soon as it is copied in (the tensor autograd made freed in the backward), the
     others at apply(), after a commit. That is DDP's arithmetic, memory traffic and memory (it divides as it copies
-    into its buckets, and its gradients are views of them): scaling the sum afterwards and copying it back were two more passes over the gradients a step. Gloo pairs
-    the collectives of a group by the order they are issued, whatever thread issues them, so the buckets are
-    launched strictly in index order on every host: a bucket ready before the one ahead of it waits for it.
+    into its buckets, and its gradients are views of them): scaling the sum afterwards and copying it back were two more
+    passes over the gradients a step. Gloo pairs the collectives of a group by the order they are issued, whatever
+    thread issues them, so the buckets are launched strictly in index order on every host: a bucket ready before the one
+    ahead of it waits for it.
     `finish()` launches what is left (a parameter that got no gradient this step adds its .grad from earlier
-    micro-batches, or zeros, as the one flat sum did) and waits: what a sum met (a lost host) is reported to the
-    Manager, whose should_commit() then says False on every host, and the step applies nothing."""
+    micro-batches, or zeros, as the one flat sum did) and waits: what a sum met (a lost host, which fails it on every
+    host) is reported to the Manager, whose should_commit() then says False, and the step applies nothing."""
 
     def __init__(self, params: list, manager, scale: float = 1.0, first_bytes: int = FIRST_BUCKET_BYTES,
                  bytes_: int = BUCKET_BYTES, sums: HostSums | None = None):
