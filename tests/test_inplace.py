@@ -973,6 +973,7 @@ def test_the_state_a_returning_host_gets_arrives_whole_over_a_real_gloo_group():
 
 
 PEER_OF_TWO = """
+import os
 import sys
 from datetime import timedelta
 
@@ -987,7 +988,6 @@ options = AllreduceOptions()
 options.reduceOp = ReduceOp.SUM
 group.allreduce([torch.full((1000,), 2.0)], options).wait()
 print("summed once", flush=True)
-import os
 os._exit(0)  # lost before the second sum: its socket closed, no goodbye
 """
 
