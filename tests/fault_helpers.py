@@ -8,14 +8,18 @@ children; they are found by scanning /proc (rank from each worker's environment)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from helpers import children, clean_env, descendants, running
+
+from trainer.cluster.workers import AGENT_DIR_ENV, STACKS_SIGNAL
 
 POLL_S = 0.05
 # Bounds on waits below turn a hang into a failure; they are not speed goals. A loaded 2-core CI
@@ -31,14 +35,68 @@ def tiny_run(root: Path, samples: int = 2400, epochs: int = 1, every: int = 10) 
 
 
 def wait_until(condition: Callable[[], object], bound_s: float, what: str):
-    """Poll until condition() is truthy and return it; fail naming `what` after bound_s."""
+    """Poll until condition() is truthy and return it; fail naming `what` after bound_s, with where every running
+    Launch's workers are (a hang in CI, seen once in a run of hours, is then found from its log alone)."""
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(POLL_S)
-    raise AssertionError(f"not within {bound_s:.0f} s: {what}")
+    raise AssertionError(f"not within {bound_s:.0f} s: {what}{running_stacks()}")
+
+
+RUNNING: "weakref.WeakSet[Launch]" = weakref.WeakSet()
+
+
+def running_stacks() -> str:
+    """Every running Launch's workers' stacks (their threads' innermost frames), asked as the launcher's hang
+    watchdog asks them: faulthandler, registered on STACKS_SIGNAL by the bootstrap, writes into the agent's folder."""
+    asked = []
+    for launch in list(RUNNING):
+        if launch.proc.poll() is not None:
+            continue
+        for pid in children(launch.pid):  # torchrun's: every worker, the trainer's or a script's
+            env = _environ(pid)
+            folder, rank = env.get(AGENT_DIR_ENV), env.get("RANK")
+            if not folder or rank is None:
+                continue
+            path = Path(folder) / f"rank-{rank}.stacks"
+            try:
+                path.write_text("")
+                os.kill(pid, STACKS_SIGNAL)
+            except OSError:
+                continue
+            asked.append((launch.log_path.stem, rank, pid, path))
+    if not asked:
+        return ""
+    time.sleep(2.0)
+    return "".join(f"\n--- {name} rank {rank} (pid {pid}):\n{_innermost(path.read_text(errors='replace'))}"
+                   for name, rank, pid, path in asked)
+
+
+NOISE = re.compile(r"threading\.py\", line \d+ in (_bootstrap|_bootstrap_inner|run)$|<frozen runpy>")
+
+
+def _innermost(dump: str, frames: int = 6) -> str:
+    """A faulthandler dump (innermost frame first) cut to each thread's innermost frames."""
+    kept, taken = [], 0
+    for line in dump.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            kept.append(line)
+            taken = 0
+        elif line.strip() and taken < frames and not NOISE.search(line):
+            kept.append(line)
+            taken += 1
+    return "\n".join(kept) or "(no answer)"
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
 
 
 def _rank_of_worker(pid: int) -> int | None:
@@ -76,6 +134,7 @@ class Launch:
             self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainer.cli.launch", *args], cwd=cwd,
                                          env=clean_env(env), stdout=log, stderr=subprocess.STDOUT)
         self.started = time.monotonic()
+        RUNNING.add(self)
 
     @property
     def pid(self) -> int:
