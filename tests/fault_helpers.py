@@ -35,26 +35,37 @@ def tiny_run(root: Path, samples: int = 2400, epochs: int = 1, every: int = 10) 
 
 
 def wait_until(condition: Callable[[], object], bound_s: float, what: str):
-    """Poll until condition() is truthy and return it; fail naming `what` after bound_s, with where every running
-    Launch's workers are (a hang in CI, seen once in a run of hours, is then found from its log alone)."""
-    deadline = time.monotonic() + bound_s
+    """Poll until condition() is truthy and return it; fail naming `what` after bound_s. `what` is often made with
+    outputs as they were when the wait began: the failure adds what the launches said during the wait and where
+    every running one's workers are, so that a rare failure in CI is understood from its log alone."""
+    began, deadline = time.time(), time.monotonic() + bound_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(POLL_S)
-    raise AssertionError(f"not within {bound_s:.0f} s: {what}{running_stacks()}")
+    raise AssertionError(f"not within {bound_s:.0f} s: {what}{since(began)}")
 
 
-RUNNING: "weakref.WeakSet[Launch]" = weakref.WeakSet()
+RUNNING: "weakref.WeakSet[Launch]" = weakref.WeakSet()  # every Launch still referenced (a test's)
 
 
-def running_stacks() -> str:
-    """Every running Launch's workers' stacks (their threads' innermost frames), asked as the launcher's hang
-    watchdog asks them: faulthandler, registered on STACKS_SIGNAL by the bootstrap, writes into the agent's folder."""
-    asked = []
-    for launch in list(RUNNING):
-        if launch.proc.poll() is not None:
+def since(began: float, tail: int = 2000) -> str:
+    """The end of the output of each Launch that ran or wrote after `began` (time.time()), and the stacks of the
+    workers of those still running (their threads' innermost frames), asked as the launcher's hang watchdog asks
+    them: faulthandler, registered on STACKS_SIGNAL by the bootstrap, writes into the agent's folder."""
+    said, asked = [], []
+    for launch in sorted(RUNNING, key=lambda launch: launch.started):
+        alive = launch.proc.poll() is None
+        try:
+            changed = launch.log_path.stat().st_mtime >= began
+        except OSError:
+            changed = False
+        if not (alive or changed):
+            continue
+        state = "running" if alive else f"exited {launch.proc.returncode}"
+        said.append(f"\n--- {launch.log_path.stem} now ({state}), the end of its output:\n{launch.output()[-tail:]}")
+        if not alive:
             continue
         for pid in children(launch.pid):  # torchrun's: every worker, the trainer's or a script's
             env = _environ(pid)
@@ -68,11 +79,11 @@ def running_stacks() -> str:
             except OSError:
                 continue
             asked.append((launch.log_path.stem, rank, pid, path))
-    if not asked:
-        return ""
-    time.sleep(2.0)
-    return "".join(f"\n--- {name} rank {rank} (pid {pid}):\n{_innermost(path.read_text(errors='replace'))}"
-                   for name, rank, pid, path in asked)
+    if asked:
+        time.sleep(2.0)  # faulthandler writes from its signal handler; a loaded host is slow to schedule it
+    return "".join(said) + "".join(
+        f"\n--- {name} rank {rank} (pid {pid}), its stacks:\n{_innermost(path.read_text(errors='replace'))}"
+        for name, rank, pid, path in asked)
 
 
 NOISE = re.compile(r"threading\.py\", line \d+ in (_bootstrap|_bootstrap_inner|run)$|<frozen runpy>")

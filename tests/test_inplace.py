@@ -171,8 +171,8 @@ def test_a_lost_host_costs_its_peers_no_restart_and_a_returning_one_joins_in_pla
     # A BatchNorm in the model: its running statistics are the job's as rank 0 keeps them under DDP, the chain of
     # share 0's forwards, whoever trains that share (inplace.BufferChain).
     port = free_port()
-    first = host(tmp_path, port, "hostA", hosts[0], "--batchnorm")  # at MASTER_ADDR: the lighthouse runs beside it
-    launches.append(first)
+    first = host(tmp_path, port, "hostA", hosts[0], "--batchnorm", "--pause-file", str(tmp_path / "pause"))
+    launches.append(first)  # at MASTER_ADDR: the lighthouse runs beside it
     time.sleep(2)
     second = host(tmp_path, port, "hostB", hosts[1], "--batchnorm")
     launches.append(second)
@@ -220,7 +220,8 @@ def test_hosts_of_two_processes_each_go_on_in_place_through_a_loss_and_a_return_
     BatchNorm statistics and momentum of four processes under DistributedDataParallel without a fault (within the
     last bits: four ranks sum in another order than DDP's ring, docs/elastic.md)."""
     port, two = free_port(), {"NPROC_PER_NODE": "2"}
-    first = host(tmp_path, port, "hostA", hosts[0], "--batchnorm", **two)  # at MASTER_ADDR: the lighthouse beside it
+    first = host(tmp_path, port, "hostA", hosts[0], "--batchnorm", "--pause-file", str(tmp_path / "pause"),
+                 **two)  # at MASTER_ADDR: the lighthouse beside it
     launches.append(first)
     # At once (the second's launcher waits for the lighthouse): their first quorum has them both at step 0, where
     # torchft gives a host's two processes the stores of two members.
@@ -252,17 +253,27 @@ def lose_and_bring_back(first: Launch, second: Launch, start_again: Callable[[],
                         nproc: int) -> Launch:
     """SIGKILL the second host (its launcher, and with it its workers) once both train; once the first goes on alone
     (a step committed at its own world size after the abandoned one), the second started again: it, once the job
-    trains at both hosts' world size again, in a third membership at least."""
+    trains at both hosts' world size again, in a third membership at least. The first (started with --pause-file
+    <its out>/pause) pauses 20 steps after it went on alone until the second has begun training: however slowly the
+    second starts on a loaded machine, the first has not finished the job meanwhile (in CI, with 100 steps, it once
+    had: the test waited for a host back in a job that had ended). A step ahead, named in the file, so that every
+    process of the first host pauses at the same one (one that paused while the other was in the step's collective
+    failed it, and the host restarted)."""
+    pause = first.log_path.parent / "pause"
     lost = workers(second)
     os.kill(second.pid, signal.SIGKILL)
     wait_until(lambda: not any(running(p) for p in lost), 10, "the lost host's workers to die with it")
-    wait_until(lambda: re.search(r"in place: step \d+ committed [\d.]+ s after the first abandoned one, at world "
-                                 rf"size {nproc}\b", first.output()), RUN_BOUND_S,
-               f"the survivor to go on alone\n{first.output()[-3000:]}")
+    alone = wait_until(lambda: re.search(r"in place: step (\d+) committed [\d.]+ s after the first abandoned one, at "
+                                         rf"world size {nproc}\b", first.output()), RUN_BOUND_S,
+                       f"the survivor to go on alone\n{first.output()[-3000:]}")
+    (pause.parent / "pause.new").write_text(str(int(alone.group(1)) + 20))
+    os.replace(pause.parent / "pause.new", pause)  # whole: no process reads it half-written
     back = start_again()
     launches.append(back)
+    wait_until(lambda: "INFO training " in back.output(), RUN_BOUND_S, "the host back to begin training")
+    pause.unlink()
     wait_until(lambda: generations(first.output())[-1][1] == 2 * nproc and len(generations(first.output())) >= 3,
-               RUN_BOUND_S, f"the host back in\n{first.output()[-3000:]}\n{back.output()[-3000:]}")
+               RUN_BOUND_S, "the host back in")
     return back
 
 

@@ -39,6 +39,15 @@ from trainer import api
 from trainer.engine.inplace import _SETTLED
 
 
+def paused_at(path: str) -> int | None:
+    """The step the test's pause file names (it replaces the file whole), None without one."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
@@ -51,6 +60,9 @@ def main() -> None:
     parser.add_argument("--start-when", help="a slow start: the first step waits until this file exists")
     parser.add_argument("--hold-at", type=int, default=0, help="with --hold-until: wait before training this step")
     parser.add_argument("--hold-until", help="the file whose existence ends the wait at --hold-at")
+    parser.add_argument("--pause-file", help="a file the test makes naming a step: before training the step after "
+                                             "it, wait while the file exists (every process of the host at the same "
+                                             "step, the test starting another host meanwhile)")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: another one)")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
@@ -111,6 +123,9 @@ def main() -> None:
                     write_if_committed()
                     if args.hold_until and run.step_count == args.hold_at:  # the test starts another host meanwhile
                         while not os.path.exists(args.hold_until):
+                            time.sleep(0.1)
+                    if args.pause_file and paused_at(args.pause_file) == run.step_count:
+                        while os.path.exists(args.pause_file):
                             time.sleep(0.1)
                     indices = []
                     for x, y, index in micro_batches:
