@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--pause-file", help="a file the test makes naming a step: before training the step after "
                                              "it, wait while the file exists (every process of the host at the same "
                                              "step, the test starting another host meanwhile)")
+    parser.add_argument("--second-backward-at", type=int, default=-1,
+                        help="once, in the step after this many committed ones: a second forward and backward pass in "
+                             "each micro-batch (an auxiliary loss's), on this host alone")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=16, help="the model's hidden width (another model: another one)")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
@@ -132,7 +135,13 @@ def main() -> None:
                         with run.autocast():
                             loss = torch.nn.functional.cross_entropy(model(x.to(run.device)), y.to(run.device))
                         run.backward(loss)
+                        if run.step_count == args.second_backward_at:
+                            with run.autocast():
+                                again = torch.nn.functional.cross_entropy(model(x.to(run.device)), y.to(run.device))
+                            run.backward(again)
                         indices += index.tolist()
+                    if run.step_count == args.second_backward_at:
+                        args.second_backward_at = -1  # once: the step taken again has one backward pass
                     time.sleep(args.step_seconds)
                     run.optimizer_step(optimizer)
                     pending = (run.step_count + 1, run.world_size, indices)

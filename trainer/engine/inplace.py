@@ -136,8 +136,6 @@ class InPlace:
         self._took_over = False
         self.chain: BufferChain | None = None  # the model's buffers, on share 0's chain (Run.wrap() sets it)
         self.summed: GradientSum | None = None  # the gradients' buckets (the driver makes them at Run.wrap())
-        self._reloads_work = None  # this step's sum of the hosts' reloaded flags, in flight
-        self._reloads_flag = None
         self.timing = StepTiming(ctx.is_local_main)
         self._settled: Callable[[], Any] = _SETTLED  # waits, in the quorum's thread, until the run's state is its own
         timeout = timedelta(seconds=collective_timeout_s)
@@ -203,7 +201,7 @@ class InPlace:
                                                                                               self.lighthouses),
                                           HostStore(ctx, timeout) if ctx.topology.local_world_size > 1 else None)
         self.manager._client = self.generations
-        # Every sum over the hosts (the buckets, the reload flag, the buffers, the end's flag) goes through this: on
+        # Every sum over the hosts (the buckets, the step's flags, the buffers, the end's flag) goes through this: on
         # gloo the group called directly, on NCCL the Manager's allreduce (HostSums says why).
         self.sums = HostSums(self.manager, self.group if self.device.type == "cpu" else None)
         if self.relay is not None:
@@ -323,23 +321,36 @@ class InPlace:
         if step is not None:
             self.set_step(step)
             self.reloaded = True
-        self._reloads()  # launched now, waited for at the commit: off the step's critical path
         if timed:
             self.timing.add("quorum", time.perf_counter() - began)
         return changed
 
-    def _reloads(self):
-        """The sum over the hosts of whether each began this step from the newest checkpoint: each read it on its
-        own, and one that read a newer one than another's would train from another state: such a step is abandoned,
-        and the next quorum heals every host to the furthest (torchft compares their steps). A tiny sum launched
-        right after the quorum (before any of the gradients', so that every host issues it first), waited at the
-        commit."""
-        if self._reloads_work is None:
-            import torch
+    def _flags(self, summed: GradientSum) -> None:
+        """Two reasons to abandon a step that one host may have alone, summed over the hosts so that every host
+        abandons it (torchft's should_commit() is each host's own: a host that saw neither would commit):
+        - the host began the step from the newest checkpoint: each host read it on its own, and one that read a newer
+          one than another's would train from another state; the next quorum heals every host to the furthest
+          (torchft compares their steps);
+        - a gradient changed after its sum had been launched, or was added to in its bucket (a second backward pass
+          in the last micro-batch, GradientSum.stale): the sum is not the step's gradients, on every host.
+        One tiny sum after the gradients' (every host issues it after every bucket, in the same order)."""
+        import torch
 
-            self._reloads_flag = torch.tensor([float(self.reloaded)], device=self.device)  # NCCL: on the GPU
-            self._reloads_work = self.sums.launch(self._reloads_flag)
-        return self._reloads_work
+        flags = torch.tensor([float(self.reloaded), float(summed.stale is not None)], device=self.device)
+        ok = self.sums.launch(flags).wait()  # NCCL's tensors: on the GPU
+        self.reloaded = False
+        if not ok:  # reported to the Manager: the step is abandoned anyway
+            return
+        reloads, stale = flags.tolist()
+        if stale and summed.stale is not None:
+            self.manager.report_error(RuntimeError(f"a gradient {STALE[summed.stale][0]}"))
+        elif stale:
+            self.manager.report_error(RuntimeError("a gradient on another host changed after it had been taken into "
+                                                   "the sum (more than one backward pass in its step's last "
+                                                   "micro-batch)"))
+        if reloads and self.manager.num_participants() > 1:
+            self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
+                                                   "to the furthest of them first"))
 
     def _while_asked(self, answered) -> None:
         """A quorum slow in coming (a thread of its own until `answered`): if the lighthouse does not answer, the host
@@ -449,12 +460,7 @@ class InPlace:
         summed = self.summing(params)
         # The host's own DistributedDataParallel has averaged over its processes: x processes / largest world.
         summed.finish()
-        self._reloads().wait()
-        reloads, self._reloads_work = self._reloads_flag.item(), None
-        self.reloaded = False
-        if reloads and self.manager.num_participants() > 1:
-            self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
-                                                   "to the furthest of them first"))
+        self._flags(summed)
         buffers = self.chain.of_share_0(self.sums, self.rank == 0, self.ctx.topology.local_rank) \
             if self.chain is not None else None
         try:
@@ -1104,7 +1110,9 @@ class GradientSum:
     ahead of it waits for it.
     `finish()` launches what is left (a parameter that got no gradient this step adds its .grad from earlier
     micro-batches, or zeros, as the one flat sum did) and waits: what a sum met (a lost host, which fails it on every
-    host) is reported to the Manager, whose should_commit() then says False, and the step applies nothing."""
+    host) is reported to the Manager, whose should_commit() then says False, and the step applies nothing. A sum made
+    wrong by this host's own script (`stale`, see ready()) is not reported here: InPlace.commit sums it over the
+    hosts, so that every host abandons the step, and every bucket is launched all the same (the hosts stay paired)."""
 
     def __init__(self, params: list, manager, scale: float = 1.0, first_bytes: int = FIRST_BUCKET_BYTES,
                  bytes_: int = BUCKET_BYTES, sums: HostSums | None = None):
@@ -1214,8 +1222,9 @@ class GradientSum:
                 index, part = where
                 if index < self.launched:
                     # A second backward in the last micro-batch changed a gradient already on its way: this step's
-                    # sum is wrong. It is abandoned (finish() reports it), and this host sums after the backward from
-                    # now on; that is only later in time, the launches stay in order, so the hosts still pair.
+                    # sum is wrong. It is abandoned (on every host: InPlace._flags), and this host sums after the
+                    # backward from now on; that is only later in time, the launches stay in order, so the hosts
+                    # still pair.
                     self.stale = "launched"
                     continue
                 there = value.is_set_to(part)
@@ -1260,7 +1269,8 @@ class GradientSum:
 
     def finish(self) -> None:
         """After the step's backward: the buckets not launched yet launched (their parameters that reported nothing
-        add their .grad or zeros), then every sum waited for (an error is torchft's to report: should_commit)."""
+        add their .grad or zeros), then every sum waited for (an error is torchft's to report: should_commit). A
+        stale sum (`stale`) is said here and left for InPlace.commit to sum over the hosts."""
         with self.lock:
             self.armed = False
             if self.stale is not None:  # what went wrong, and what this host does from now on (see ready())
@@ -1271,7 +1281,6 @@ class GradientSum:
                     self.views = False
                 log.warning("in place: a gradient %s (more than one backward pass in the step's last micro-batch): "
                             "this step is taken again, and this host %s from now on", what, then)
-                self.manager.report_error(RuntimeError(f"a gradient {what}"))
             while self.launched < len(self.buckets):
                 members = self.buckets[self.launched][1]
                 for p, part in members:
