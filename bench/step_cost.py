@@ -2,8 +2,8 @@
 
 Two local launcher "hosts" of one process each train ResNet-18 on synthetic data without a fault (bench.goodput's
 one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round
-(every other round in the reverse order), so that both meet the same load on a shared machine. --baseline DIR adds
-in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line
+(each arm in every position equally often: in_round), so that both meet the same load on a shared machine.
+--baseline DIR adds in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line
 per run and, at the end, each round's walls and ratios (start-up included), its per-step ratios (the trainer's
 steady-state samples/s from summary.json, the restart path's over each run's: start-up left out), their median over
 the rounds with its 95% interval (a bootstrap over the rounds: a goal is met or missed only when the whole interval
@@ -31,6 +31,16 @@ import statistics
 import sys
 
 from bench.goodput import one_run, stop_on_sigterm
+
+
+def in_round(arms: list, number: int) -> list:
+    """The arms in round `number`'s order: rotated by one each round, and reversed every other pass through the
+    rotations, so that over 2 x len(arms) rounds each arm runs in every position equally often. A machine that slows
+    (or speeds up) over a round then favours no arm; with three arms, reversing every other round alone kept the
+    middle one in the middle (its first 6-round A/B had in place in the middle every round, docs/benchmarks.md)."""
+    k = len(arms)
+    rotated = arms[number % k:] + arms[:number % k]
+    return rotated[::-1] if (number // k) % 2 else rotated
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
@@ -64,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for number in range(args.rounds):
         order = [("restart", "elastic", own), ("in place", "inplace", own),
                  *((("in place (baseline)", "inplace", args.baseline),) if args.baseline else ())]
-        # Every other round in the reverse order: a machine that slows (or speeds up) over a round favours
-        # neither the first run nor the last.
-        for label, mode, path in order if number % 2 == 0 else order[::-1]:
+        for label, mode, path in in_round(order, number):
             os.environ["PYTHONPATH"] = path
             try:
                 run = one_run(mode, args, faults=False)

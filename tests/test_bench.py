@@ -293,6 +293,20 @@ def test_bench_torchft_step_cost_refuses_fewer_steps_than_its_warmup_in_one_line
         "error: --steps: 10 is not more than --warmup 20 (ask for more steps)"], done.stderr
 
 
+@pytest.mark.parametrize("arms", [2, 3])
+def test_bench_step_cost_runs_each_arm_in_every_position_equally_often(arms):
+    """bench/step_cost.py's order of the runs in a round: over 2 x arms rounds each arm runs first, last (and in the
+    middle) equally often, and every round runs each arm once."""
+    from bench.step_cost import in_round
+
+    names = ["restart", "in place", "in place (baseline)"][:arms]
+    orders = [in_round(names, number) for number in range(2 * arms)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for name in names:
+        positions = [order.index(name) for order in orders]
+        assert all(positions.count(position) == 2 for position in range(arms)), (name, orders)
+
+
 def test_bench_step_cost_says_how_far_its_median_can_be_trusted():
     """bench/step_cost.py's interval of the median (a percentile bootstrap over the rounds): reproducible, around the
     median, narrower with more rounds of the same spread, and on one side of a goal only when the rounds are."""
