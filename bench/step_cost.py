@@ -1,17 +1,17 @@
 """`python -m bench.step_cost`: the fault-free per-step cost of in-place recovery against the restart path.
 
 Two local launcher "hosts" of one process each train ResNet-18 on synthetic data without a fault (bench.goodput's
-one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round
-(each arm in every position equally often: in_round), so that both meet the same load on a shared machine.
---baseline DIR adds in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line
-per run and, at the end, each round's walls and ratios (start-up included), its per-step ratios (the trainer's
-steady-state samples/s from summary.json, the restart path's over each run's: start-up left out), their median over
-the rounds with its 95% interval (a bootstrap over the rounds: a goal is met or missed only when the whole interval
-says so; with --baseline also the code under test over the baseline, round by round), a control against the
-machine's speed (each path's compute, forward and backward, of its writing rank, and how many ms a step it spends
-outside it: in place's minus the restart path's is its own cost, with the VM's speed mostly taken out), and in
-place's step split (inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part,
-the optimizer and what follows it, the rest).
+one_run, faults=False), the restart path (RECOVERY=restart) and in place one after the other, round after round (each
+arm in every position equally often: in_round), so that both meet the same load on a shared machine. --baseline DIR adds
+in place as another source tree (a checkout of an earlier commit) runs it, in the same rounds. Prints one JSON line per
+run and, at the end, each round's walls and ratios (start-up included), its per-step ratios (the trainer's steady-state
+samples/s from summary.json, the restart path's over each run's: start-up left out), their median over the rounds with
+its 95% interval (a bootstrap over the rounds: a goal is met or missed only when the whole interval says so; with
+--baseline also the code under test over the baseline, round by round), a control against the machine's speed (each
+path's compute, forward and backward, of its writing rank, and how many ms a step it spends outside it: in place's minus
+the restart path's is its own cost, with the VM's speed mostly taken out), and in place's step split
+(inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part, the optimizer and what follows it, the
+rest).
 
 Each run's processes import the trainer from PYTHONPATH's tree as it is when that run starts: a tree edited while the
 bench runs mixes two codes between its rounds. For an A/B, run the code under test from a copy too (a clone of the

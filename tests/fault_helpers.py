@@ -115,7 +115,6 @@ def _rank_of_worker(pid: int) -> int | None:
     not); None for any other process."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
     program = argv[argv.index(b"-m") + 1:] if b"-m" in argv else []
@@ -123,8 +122,8 @@ def _rank_of_worker(pid: int) -> int | None:
         program = program[1:][program[1:2] == [b"-m"]:]
     if program[:1] != [b"trainer"]:
         return None
-    ranks = [int(item[5:]) for item in environ if item.startswith(b"RANK=")]
-    return ranks[0] if ranks else None
+    rank = _environ(pid).get("RANK")
+    return int(rank) if rank is not None else None
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
