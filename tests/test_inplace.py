@@ -2146,8 +2146,10 @@ def test_a_second_backward_in_the_last_micro_batch_abandons_the_step_and_the_nex
     uses holds it back) but already the gradient's place (adopted in the first backward, or kept there since the
     last commit by zero_grad(set_to_none=False)), autograd added the second part to the first one, scaled, and they
     cannot be told apart (scaled again, the sum was silently wrong before). Either way the sum is `stale`: the step
-    is abandoned (on every host: InPlace commit sums the flag over the hosts, the test below), and the steps after it
-    sum each gradient whole: after the backward, or copied in as often as it changes; the sums are the two backward passes' together."""
+    is abandoned (on every host: InPlace.commit sums the flag over the hosts, as
+    test_a_second_backward_on_one_host_alone_abandons_the_step_on_every_host shows), and the steps after it sum each
+    gradient whole: after the backward, or copied in as often as it changes; the sums are the two backward passes'
+    together."""
     from trainer.engine.inplace import GradientSum
 
     net = _TwoBuckets(spare=what == "a bucket not launched")
