@@ -2169,7 +2169,7 @@ def test_a_second_backward_in_the_last_micro_batch_abandons_the_step_and_the_nex
         for part in losses:
             net.loss(x, y, part).backward()
         summed.finish()
-        assert manager.errors == []  # a stale sum is InPlace.commit's to sum over the hosts (InPlace._flags)
+        assert manager.errors == []  # a stale sum is InPlace.commit's to sum over the hosts (InPlace._after_gradients)
         if step == 1:  # abandoned: what InPlace.commit() does when should_commit() says False
             assert summed.stale == ("launched" if what == "a bucket launched" else "added to")
             summed.new_step()

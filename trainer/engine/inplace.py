@@ -325,23 +325,32 @@ class InPlace:
             self.timing.add("quorum", time.perf_counter() - began)
         return changed
 
-    def _flags(self, summed: GradientSum) -> None:
-        """Two reasons to abandon a step that one host may have alone, summed over the hosts so that every host
-        abandons it (torchft's should_commit() is each host's own: a host that saw neither would commit):
+    def _after_gradients(self, summed: GradientSum):
+        """One sum over the hosts after the gradients' (every host issues it after every bucket, in the same order):
+        the step's flags, and on a host's first process the buffers of share 0 (BufferChain.share_0), in one tensor.
+        Every sum a step waits for costs each host a round trip and a wait for the slowest host; these were two, one
+        after the other. Returns the buffers summed (None: none here, or the sum failed, which the Manager has).
+
+        The flags are two reasons to abandon a step that one host may have alone, summed so that every host abandons
+        it (torchft's should_commit() is each host's own: a host that saw neither would commit):
         - the host began the step from the newest checkpoint: each host read it on its own, and one that read a newer
           one than another's would train from another state; the next quorum heals every host to the furthest
           (torchft compares their steps);
         - a gradient changed after its sum had been launched, or was added to in its bucket (a second backward pass
-          in the last micro-batch, GradientSum.stale): the sum is not the step's gradients, on every host.
-        One tiny sum after the gradients' (every host issues it after every bucket, in the same order)."""
+          in the last micro-batch, GradientSum.stale): the sum is not the step's gradients, on every host."""
         import torch
 
-        flags = torch.tensor([float(self.reloaded), float(summed.stale is not None)], device=self.device)
-        ok = self.sums.launch(flags).wait()  # NCCL's tensors: on the GPU
+        # float64 throughout: exact for BufferChain's float32 statistics and its counts (below 2**53), and for the
+        # flags; NCCL sums it as gloo does (ncclFloat64). On the group's device (NCCL's: the GPU).
+        flags = torch.tensor([float(self.reloaded), float(summed.stale is not None)], dtype=torch.float64,
+                             device=self.device)
+        chain = self.chain if self.ctx.topology.local_rank == 0 else None  # the others' DDP gives them their first's
+        flat = flags if chain is None else torch.cat([flags, chain.share_0(self.rank == 0, self.device)])
+        ok = self.sums.launch(flat).wait()
         self.reloaded = False
         if not ok:  # reported to the Manager: the step is abandoned anyway
-            return
-        reloads, stale = flags.tolist()
+            return None
+        reloads, stale = flat[:2].tolist()
         if stale and summed.stale is not None:
             self.manager.report_error(RuntimeError(f"a gradient {STALE[summed.stale][0]}"))
         elif stale:
@@ -351,6 +360,7 @@ class InPlace:
         if reloads and self.manager.num_participants() > 1:
             self.manager.report_error(RuntimeError("a host here began it from the newest checkpoint: the hosts heal "
                                                    "to the furthest of them first"))
+        return None if chain is None else flat[2:]
 
     def _while_asked(self, answered) -> None:
         """A quorum slow in coming (a thread of its own until `answered`): if the lighthouse does not answer, the host
@@ -460,9 +470,7 @@ class InPlace:
         summed = self.summing(params)
         # The host's own DistributedDataParallel has averaged over its processes: x processes / largest world.
         summed.finish()
-        self._flags(summed)
-        buffers = self.chain.of_share_0(self.sums, self.rank == 0, self.ctx.topology.local_rank) \
-            if self.chain is not None else None
+        buffers = self._after_gradients(summed)
         try:
             committed = self.manager.should_commit()
         except RuntimeError as err:  # torchft's end to abandoned steps (max_retries), or its manager gone
@@ -1049,20 +1057,16 @@ class BufferChain:
 
         return context
 
-    def of_share_0(self, sums: HostSums, holds: bool, local_rank: int):
-        """The buffers of the process that trained share 0, summed over the hosts (float64: exact for float32 and
-        for counts below 2**53); None for a host's other processes, whose own DistributedDataParallel gives them
-        its first process's buffers at the next forward (their groups over the hosts hold no share 0)."""
+    def share_0(self, holds: bool, device):
+        """This process's buffers, flat, in float64 (exact for float32 and for counts below 2**53), on `device`; zeros
+        unless it `holds` share 0. Summed over the hosts (InPlace._after_gradients), the others adding zeros, they are
+        the buffers of the host that trained share 0. Only a host's first process sends them: its other processes'
+        own DistributedDataParallel gives them its first process's buffers at the next forward (their groups over the
+        hosts hold no share 0)."""
         import torch
 
-        if local_rank != 0:
-            return None
-        # On the buffers' device: the GPU under NCCL, whose sum takes float64 (ncclFloat64) as gloo's does.
-        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
-        if not holds:
-            flat.zero_()
-        sums.launch(flat).wait()
-        return flat
+        flat = torch.cat([b.detach().reshape(-1).to(device=device, dtype=torch.float64) for b in self.buffers])
+        return flat if holds else flat.zero_()
 
     def take(self, flat) -> None:
         import torch
@@ -1222,9 +1226,9 @@ class GradientSum:
                 index, part = where
                 if index < self.launched:
                     # A second backward in the last micro-batch changed a gradient already on its way: this step's
-                    # sum is wrong. It is abandoned (on every host: InPlace._flags), and this host sums after the
-                    # backward from now on; that is only later in time, the launches stay in order, so the hosts
-                    # still pair.
+                    # sum is wrong. It is abandoned (on every host: InPlace._after_gradients), and this host sums
+                    # after the backward from now on; that is only later in time, the launches stay in order, so the
+                    # hosts still pair.
                     self.stale = "launched"
                     continue
                 there = value.is_set_to(part)
