@@ -144,7 +144,11 @@ def main() -> None:
                         args.second_backward_at = -1  # once: the step taken again has one backward pass
                     time.sleep(args.step_seconds)
                     run.optimizer_step(optimizer)
-                    pending = (run.step_count + 1, run.world_size, indices)
+                    # An abandoned step (the driver's answer, which run.steps() reads too) is not written, even when
+                    # the host is healed past it before its next step: its step count then passes the pending one's
+                    # (a host cut off at step 27 wrote step 27 once healed to 84, which the other host had retaken).
+                    committed = getattr(run._driver, "_committed", True) is not False
+                    pending = (run.step_count + 1, run.world_size, indices) if committed else None
                 write_if_committed()
                 pending = None
                 if args.validate and not run.stopped:
