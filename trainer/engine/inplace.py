@@ -1065,8 +1065,9 @@ class BufferChain:
         hosts hold no share 0)."""
         import torch
 
-        flat = torch.cat([b.detach().reshape(-1).to(device=device, dtype=torch.float64) for b in self.buffers])
-        return flat if holds else flat.zero_()
+        if not holds:  # zeros of the same length: nothing of its own buffers to gather
+            return torch.zeros(sum(b.numel() for b in self.buffers), dtype=torch.float64, device=device)
+        return torch.cat([b.detach().reshape(-1).to(device=device, dtype=torch.float64) for b in self.buffers])
 
     def take(self, flat) -> None:
         import torch
