@@ -242,7 +242,7 @@ def test_a_scripts_checkpoint_resumes_in_the_built_in_loop_only_when_it_holds_wh
            "missing)" in line
 
 
-def test_steps_group_micro_batches_and_drop_a_short_last_group(tmp_path):
+def test_steps_group_micro_batches_and_drop_a_short_last_group_and_every_step_counts(tmp_path):
     """run.steps() gives grad_accum micro-batches per optimizer step, from a sized loader or a bare generator; a
     last group too short to end in a gradient sync is dropped, not stepped on."""
     body = """
@@ -255,13 +255,14 @@ def test_steps_group_micro_batches_and_drop_a_short_last_group(tmp_path):
                 sizes = [len(x) for x, y in micro_batches]
                 for x, y in micro_batches:
                     pass
-                run.optimizer_step(optimizer)
-                print("step", run.step_count, "micro", len(sizes))
+                counted = run.optimizer_step(optimizer)
+                print("step", run.step_count, "micro", len(sizes), "counted", counted)
         """
     result = run_script(script(tmp_path, body, "grad_accum=2, checkpoint_dir='c', log_dir='r'"), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    # 5 batches, 2 per step: two steps from each source (steps done before each one printed), the fifth dropped
-    assert result.stdout.split() == " ".join(f"step {n} micro 2" for n in range(4)).split()
+    # 5 batches, 2 per step: two steps from each source (steps done before each one printed), the fifth dropped;
+    # every step counts (only in-place recovery abandons one)
+    assert result.stdout.split() == " ".join(f"step {n} micro 2 counted True" for n in range(4)).split()
 
 
 def test_a_finished_script_started_again_trains_and_writes_nothing_and_says_so_as_the_built_in_loop_does(tmp_path):

@@ -368,6 +368,8 @@ def test_a_second_backward_on_one_host_alone_abandons_the_step_on_every_host(hos
     for output in (mine, theirs):
         assert "restart 1 of" not in output and "Traceback" not in output, output[-4000:]
         assert len(re.findall(r"in place: step \d+ abandoned", output)) == 1, output[-4000:]
+        # The script's own answer: run.optimizer_step() returned False for that step alone, on both hosts.
+        assert re.findall(r"optimizer_step: step (\d+) not counted", output) == [str(at + 1)], output[-4000:]
     steps = SAMPLES // 2 // SHARE_BATCH
     for pid in pids:
         check_the_order(tmp_path, pid, steps)

@@ -34,8 +34,9 @@ Run(checkpoint_dir=None, log_dir=None, **settings)
                                  compile and local_sgd_period as set; build the optimizer after it
     .autocast()                  amp's autocast (bf16, fp16) around a forward
     .backward(loss)              fp16's loss scaling, / grad_accum; the loss is kept for Loss/train
-    .optimizer_step(optimizer, scheduler=None)   step (through the scaler), zero_grad, scheduler.step(); with
-                                 clip_grad_norm the gradients are clipped first (Grad/norm logged)
+    .optimizer_step(optimizer, scheduler=None) -> bool   step (through the scaler), zero_grad, scheduler.step();
+                                 with clip_grad_norm the gradients are clipped first (Grad/norm logged); False:
+                                 in place abandoned the step (a host came or went), and run.steps() takes it again
     .clip_gradients(optimizer, max_norm=None) -> the norm before clipping: for your own optimizer.step()
     .mixup_cutmix(inputs, targets, num_classes) -> the batch mixed as mixup_alpha and cutmix_alpha say
                                  (torchvision's MixUp/CutMix; targets become probabilities), per micro-batch

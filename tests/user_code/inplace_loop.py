@@ -143,11 +143,12 @@ def main() -> None:
                     if run.step_count == args.second_backward_at:
                         args.second_backward_at = -1  # once: the step taken again has one backward pass
                     time.sleep(args.step_seconds)
-                    run.optimizer_step(optimizer)
-                    # An abandoned step (the driver's answer, which run.steps() reads too) is not written, even when
-                    # the host is healed past it before its next step: its step count then passes the pending one's
-                    # (a host cut off at step 27 wrote step 27 once healed to 84, which the other host had retaken).
-                    committed = getattr(run._driver, "_committed", True) is not False
+                    # An abandoned step (False) is not written, even when the host is healed past it before its
+                    # next step: its step count then passes the pending one's (a host cut off at step 27 wrote step
+                    # 27 once healed to 84, which the other host had retaken).
+                    committed = run.optimizer_step(optimizer)
+                    if not committed:
+                        print(f"optimizer_step: step {run.step_count + 1} not counted", file=sys.stderr, flush=True)
                     pending = (run.step_count + 1, run.world_size, indices) if committed else None
                 write_if_committed()
                 pending = None

@@ -158,16 +158,19 @@ class Run:
         self.observers.record_loss(loss)
         self.scaler.scale(loss / self.settings.grad_accum).backward()
 
-    def optimizer_step(self, optimizer, scheduler=None) -> None:
+    def optimizer_step(self, optimizer, scheduler=None) -> bool:
         """The optimizer step (through fp16's loss scaler; the gradients clipped first with clip_grad_norm),
-        gradients cleared, the LR schedule advanced."""
+        gradients cleared, the LR schedule advanced. Returns whether the step counts: False only under in-place
+        recovery, when a host came or went during it (its gradients are dropped, and run.steps() gives the same
+        step's micro-batches again), so that a script keeping its own per-step records keeps none of it."""
         if not self._driver.commit(lambda: self._parameters(optimizer)):  # abandoned: it is taken again
             optimizer.zero_grad(set_to_none=True)
             self._recipe.step_abandoned()  # taken again: the same mixes
-            return
+            return False
         self._recipe.optimizer_step(optimizer, scheduler)
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
+        return True
 
     def _parameters(self, optimizer):
         """What a step's gradients are combined for: the wrapped model's parameters, else the optimizer's."""
