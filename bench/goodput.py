@@ -201,8 +201,8 @@ def one_run(mode: str, args, faults: bool) -> dict:
     group = next((m.group(1) for _, line in first.lines if (m := REPLICA_GROUP.search(line))), None)
     if group is not None:
         result["replica_group"] = group
-    if mode == "inplace":
-        result["step_split_ms"] = step_split(first.lines)
+    if mode == "inplace":  # each host's: the host that waits for the other's checkpoint write has it in its quorum
+        result["step_split_ms"] = [step_split(host.lines) for host in hosts]
     if hung or summary.get("global_step") != args.steps:
         result["tail"] = [line for _, line in first.lines[-15:]]
     if args.keep:  # each host's lines with the bench's clock, beside the run's checkpoints and logs

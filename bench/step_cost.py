@@ -10,8 +10,8 @@ its 95% interval (a bootstrap over the rounds: a goal is met or missed only when
 --baseline also the code under test over the baseline, round by round), a control against the machine's speed (each
 path's compute, forward and backward, of its writing rank, and how many ms a step it spends outside it: in place's minus
 the restart path's is its own cost, with the VM's speed mostly taken out), and in place's step split
-(inplace.StepTiming's line: quorum, forward, backward, the sum's exposed part, the optimizer and what follows it, the
-rest).
+(inplace.StepTiming's line of each host: quorum, forward, backward, the sum's exposed part, the optimizer and what
+follows it, the rest).
 
 Each run's processes import the trainer from PYTHONPATH's tree as it is when that run starts: a tree edited while the
 bench runs mixes two codes between its rounds. For an A/B, run the code under test from a copy too (a clone of the
@@ -126,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             k: round(statistics.median(c for c, _ in v), 3) for k, v in controls.items()},
             "outside the compute, ms more a step than restart's, median of the rounds": {
             k: round(statistics.median(d for _, d in v), 1) for k, v in controls.items()}}))
-    for run in runs:
-        if run.get("step_split_ms"):
-            print(json.dumps({"round": run["round"], "label": run["label"], **run["step_split_ms"]}))
+    for run in runs:  # one line per host: which host waits for the other's checkpoint writes changes between runs
+        for number, split in enumerate(run.get("step_split_ms") or []):
+            if split:
+                print(json.dumps({"round": run["round"], "label": run["label"], "host": number, **split}))
     return 0 if all(run["global_step"] == args.steps for run in runs) else 1
 
 
