@@ -184,6 +184,34 @@ def test_a_finished_run_started_again_changes_nothing(tmp_path):
     assert "resuming from" in longer.stderr and read_summary(tmp_path / "runs")["global_step"] == 12
 
 
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 1)], ids=["grown", "shrunk"])
+def test_a_resume_at_another_world_size_trains_every_epoch_left_at_the_new_size(tmp_path, before, after):
+    """--batch-size is per process, so the global batch follows the world size: a job that trained epoch 0 at
+    `before` processes and resumes at `after` for --epochs 3 trains the two epochs left at the new size, its plan
+    and progress counting the steps done at the old one (the plan once took 3 epochs at the new size for the
+    whole run: grown, it ended a whole epoch early, "completed" with epochs_completed 2; shrunk, its total was 20
+    steps past the end). The schedule's end is the run's end: the rate reaches 0 at the last step, not before. The
+    samples seen are the samples trained (once the step count times the last step's global batch)."""
+    run = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "8", "--val-every", "0", "--log-every", "1",
+           "--num-workers", "0", *dirs_args(tmp_path)]
+    first = 320 // (8 * before)
+    train_ok([*run, "--epochs", "1"], tmp_path, nproc=before, forked=True)
+    assert read_summary(tmp_path / "runs")["global_step"] == first
+    per_epoch = 320 // (8 * after)
+    total = first + 2 * per_epoch
+    resumed = train_ok([*run, "--epochs", "3"], tmp_path, nproc=after, forked=True)
+    assert f"{total} steps, {per_epoch} per epoch" in resumed.stderr, resumed.stderr[-3000:]
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["resumed_from_step"], summary["global_step"], summary["epochs_completed"]) == (first, total, 3)
+    # Three epochs of 320 samples, whatever the steps' sizes (not the last step times its global batch), in the
+    # summary and in the checkpoint a further resume counts on from.
+    saved = load_checkpoint(tmp_path / "checkpoints" / f"step-{total:08d}.pt")
+    assert summary["samples_seen"] == saved["samples_seen"] == 3 * 320, (summary, saved["samples_seen"])
+    rates = {step: rate for step, rate in read_scalars(tmp_path / "runs")["lr"] if step > first}  # the resumed run's
+    assert sorted(rates) == list(range(first + 1, total + 1)), rates
+    assert all(rate > 0 for step, rate in rates.items() if step < total) and rates[total] == 0, rates
+
+
 # ------------------------------------------------------------------ settings changed on resume
 CHANGED = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epochs", "2", "--val-every", "0",
            "--log-every", "2", "--checkpoint-every", "8", "--num-workers", "0"]

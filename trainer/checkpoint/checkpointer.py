@@ -260,7 +260,7 @@ class Checkpointer:
                      self.labels.fix)
         ckpt.set_rng_state(self.ctx.device, state["rng"])
         self.saved_position = {key: state[key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
-        return Position(state["epoch"], state["batch"], state["global_step"])
+        return Position(state["epoch"], state["batch"], state["global_step"], ckpt.samples_seen(state))
 
     def state_at(self, pos: Position, samples_per_batch: int, config: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint dict of the registered objects at `pos` (their live tensors, not copies)."""
@@ -271,6 +271,16 @@ class Checkpointer:
     def resized_batch(self, samples_per_batch: int, grad_accum: int) -> int:
         """The saved position's batch in micro-batches of samples_per_batch (over all ranks)."""
         return ckpt.resized_batch(self.saved_position, samples_per_batch, grad_accum)
+
+    def resumed_position(self, samples_per_batch: int, grad_accum: int) -> Position | None:
+        """Where the checkpoint this run resumes from stood (found at start-up, or restored already), its batch in
+        micro-batches of samples_per_batch (over all ranks); None: the run starts afresh."""
+        saved = self.saved_position
+        if saved is None and self._found is not None:
+            saved = {key: self._found[0][key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
+        if saved is None:
+            return None
+        return Position(saved["epoch"], ckpt.batch_in(saved, samples_per_batch, grad_accum)[0], saved["global_step"])
 
     # ---------------------------------------------------------------- the cadence: the run's news, this one's choice
     def due(self, step: int) -> bool:

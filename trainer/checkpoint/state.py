@@ -35,16 +35,19 @@ FORMAT = 1  # the "format" key of every checkpoint this trainer writes
 BUILT_IN, SCRIPT = "built-in", "script"  # the "door" key: python -m trainer, or a script on trainer.api
 BUILT_IN_OBJECTS = ("model", "optimizer", "scheduler", "scaler")  # what the built-in loop registers
 # Keys of the checkpoint itself: no registered object may take these names.
-RESERVED = ("format", "epoch", "batch", "global_step", "samples_per_batch", "rng", "config", "door", "registered",
-            "objects", "param_groups", "hyperparameters", "param_names")
+RESERVED = ("format", "epoch", "batch", "global_step", "samples_seen", "samples_per_batch", "rng", "config", "door",
+            "registered", "objects", "param_groups", "hyperparameters", "param_names")
 
 
 @dataclass
 class Position:
-    """Where training stands: `step` optimizer steps done, and the next micro-batch is `batch` of `epoch`."""
+    """Where training stands: `step` optimizer steps done, and the next micro-batch is `batch` of `epoch`; `samples`
+    trained in those steps over all ranks (not step x one step's: the global batch follows the world size where the
+    batch size is per process, and a job may have resumed at another)."""
     epoch: int = 0
     batch: int = 0
     step: int = 0
+    samples: int = 0
 
 
 def saved_names(state: dict[str, Any]) -> list[str]:
@@ -138,8 +141,8 @@ def meta(pos: Position, samples_per_batch: int, config: dict[str, Any], door: st
          device: torch.device, built: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a checkpoint holds besides the registered objects (built: as_built's record)."""
     return {"format": FORMAT, "epoch": pos.epoch, "batch": pos.batch, "global_step": pos.step,
-            "samples_per_batch": samples_per_batch, "config": config, "door": door, "registered": names,
-            "rng": rng_state(device), "hyperparameters": built or {}}
+            "samples_seen": pos.samples, "samples_per_batch": samples_per_batch, "config": config, "door": door,
+            "registered": names, "rng": rng_state(device), "hyperparameters": built or {}}
 
 
 def snapshot(objects: Registered, info: dict[str, Any], skip: tuple[str | None, ...] = ()) -> dict[str, Any]:
@@ -226,19 +229,35 @@ def load_scaler_state(scaler: torch.amp.GradScaler, saved: dict) -> None:
         log.info("the checkpoint has no fp16 loss scale (it was not an fp16 run): starting at %g", scaler.get_scale())
 
 
-def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
+def samples_seen(state: dict[str, Any]) -> int:
+    """The samples a checkpoint's steps trained over all ranks; a checkpoint written before it recorded them (all of
+    its steps taken as of its own global batch): its step count times its step's samples."""
+    if "samples_seen" in state:
+        return state["samples_seen"]
+    accum = (state.get("config") or {}).get("grad_accum", 1)
+    return state["global_step"] * state["samples_per_batch"] * accum
+
+
+def batch_in(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> tuple[int, bool]:
     """The micro-batch to go on from in the checkpoint's epoch, now that a batch holds samples_per_batch
-    samples over all ranks. Every world size reads one global order per epoch (sampling.epoch_shard:
-    global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact whenever the
-    samples already seen fill whole steps of the new size: always when the global batch is unchanged."""
-    batch = state["batch"]
-    if state["samples_per_batch"] != samples_per_batch:
-        seen = state["batch"] * state["samples_per_batch"]
-        batch = seen // samples_per_batch
-        batch -= batch % grad_accum
-        if batch * samples_per_batch != seen:
-            log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
-                        "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
+    samples over all ranks, and whether it is exact. Every world size reads one global order per epoch
+    (sampling.epoch_shard: global micro-batch k is samples [k*B, (k+1)*B) of it), so the position is exact
+    whenever the samples already seen fill whole steps of the new size: always when the global batch is
+    unchanged."""
+    if state["samples_per_batch"] == samples_per_batch:
+        return state["batch"], True
+    seen = state["batch"] * state["samples_per_batch"]
+    batch = seen // samples_per_batch
+    batch -= batch % grad_accum
+    return batch, batch * samples_per_batch == seen
+
+
+def resized_batch(state: dict[str, Any], samples_per_batch: int, grad_accum: int = 1) -> int:
+    """batch_in()'s micro-batch, with a warning where it is approximated."""
+    batch, exact = batch_in(state, samples_per_batch, grad_accum)
+    if not exact:
+        log.warning("the global batch changed since the checkpoint: the rest of epoch %d is approximated "
+                    "(%d micro-batches in; keep --global-batch-size to resume exactly)", state["epoch"], batch)
     return batch
 
 

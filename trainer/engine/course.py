@@ -91,7 +91,7 @@ class Course:
     def step_ended(self, micro: int, samples: int, epoch_done: bool, scalars: dict[str, Any]) -> bool:
         """A step of `micro` micro-batches ended: each part is told, in order, and decides for itself what to do at
         it. True: the loop ends here (a stop voted, or the last step), on every rank at the same step."""
-        epoch, step, last = self.state.step_counted(micro)
+        epoch, step, last = self.state.step_counted(micro, samples)
         self.supervised.step_done()
         self.recipe.step_ended(step)  # a new step: its own mixes and clipping; the average, before the checkpoint
         self.driver.step_ended(step)
@@ -135,9 +135,8 @@ class Course:
             say_nothing_to_do(self.checkpointer.resumed_path, state.position.step, state.total_steps, self.label)
             return 0
         status = "stopped" if state.stopped else "completed"
-        summary = self.observers.summary(status, state.position.step, state.position.epoch,
-                                         self.observers.throughput.samples_per_step, state.resumed_from, model,
-                                         dataset)
+        summary = self.observers.summary(status, state.position.step, state.position.epoch, state.position.samples,
+                                         state.resumed_from, model, dataset)
         summary["world_size"] = world_size  # in place: the job's at its end
         code = 0 if self.observers.write_summary(summary) else 1
         if status == "completed" and self.ctx.is_main:  # in place: the job's end, for a host started after it

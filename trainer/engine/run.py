@@ -238,7 +238,10 @@ class Run:
         """The run's length: optimizer steps per epoch (and epochs, else the epochs setting or run.epochs(N)).
         The progress bar, the LR warm-up of local SGD and the profiler's window check use it; returns the
         total steps (max_steps caps it)."""
-        self._state.plan(steps_per_epoch, epochs)
+        state = self._state
+        resumed = None if state.batch_size is None else self.checkpointer.resumed_position(  # a script's batch size
+            state.samples_per_batch(self._driver.members.largest), self.settings.grad_accum)  # comes with its sampler
+        state.plan(steps_per_epoch, epochs, resumed)
         from trainer.observe.profiling import check_window
 
         with exit_on_usage_error():

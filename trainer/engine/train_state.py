@@ -30,21 +30,28 @@ class TrainState:
         #                               from run.sampler()
         self.epochs: int | None = None  # run.epochs(N)'s or plan()'s, else the epochs setting
         self.steps_per_epoch: int | None = None
+        # The steps done before the checkpoint resumed from, less what its epochs make at this run's steps per epoch:
+        # not 0 when they were trained at another global batch (--batch-size is per process: another world size).
+        self.steps_before = 0
         self.epoch_count: int | None = None  # run.epochs()'s, while it runs
 
     @property
     def total_steps(self) -> int | None:
         """The run's optimizer steps, where known (max_steps caps them)."""
         epochs = self.epochs if self.epochs is not None else self.settings.epochs
-        planned = self.steps_per_epoch * epochs if self.steps_per_epoch is not None else None
+        planned = self.steps_before + self.steps_per_epoch * epochs if self.steps_per_epoch is not None else None
         if self.settings.max_steps:
             return min(planned, self.settings.max_steps) if planned is not None else self.settings.max_steps
         return planned
 
-    def plan(self, steps_per_epoch: int, epochs: int | None) -> None:
+    def plan(self, steps_per_epoch: int, epochs: int | None, resumed: Position | None = None) -> None:
+        """resumed: the checkpoint the run resumes from, its batch in this run's micro-batches. The run ends where
+        its epochs end at this run's steps per epoch, counted on from that checkpoint's step."""
         self.steps_per_epoch = steps_per_epoch
         if epochs is not None:
             self.epochs = epochs
+        self.steps_before = 0 if resumed is None else resumed.step - (
+            resumed.epoch * steps_per_epoch + min(resumed.batch // self.settings.grad_accum, steps_per_epoch))
 
     def epochs_to_train(self, count: int | None) -> int:
         """run.epochs(count)'s epochs (count, else plan()'s, else the setting), kept while it runs."""
@@ -80,10 +87,11 @@ class TrainState:
         in-place recovery, over the largest world's (`largest`), whatever the membership."""
         return (self.batch_size or 1) * largest
 
-    def step_counted(self, micro: int) -> tuple[int, int, bool]:
-        """A step of `micro` micro-batches trained: (its epoch, the step it makes, whether it is the run's last)."""
+    def step_counted(self, micro: int, samples: int) -> tuple[int, int, bool]:
+        """A step of `micro` micro-batches, `samples` over all ranks, trained: (its epoch, the step it makes, whether
+        it is the run's last)."""
         pos = self.position
-        self.position = Position(pos.epoch, pos.batch + micro, pos.step + 1)
+        self.position = Position(pos.epoch, pos.batch + micro, pos.step + 1, pos.samples + samples)
         total = self.total_steps
         return pos.epoch, self.position.step, total is not None and self.position.step >= total
 
@@ -101,7 +109,7 @@ class TrainState:
         return self.ended_mid_epoch or self.ended_elsewhere
 
     def epoch_ended(self) -> None:
-        self.position = Position(self.position.epoch + 1, 0, self.position.step)
+        self.position = replace(self.position, epoch=self.position.epoch + 1, batch=0)
 
     def last_of_epoch(self, accum: int, batches_per_epoch: int) -> bool:
         """Whether a step of `accum` micro-batches from here is the epoch's last (a sampler's epoch of that many)."""

@@ -201,13 +201,13 @@ class Observers:
         if self.scalars is not None:
             self.scalars.close()
 
-    def summary(self, status: str, step: int, epochs_completed: int, samples_per_step: int, resumed_from: int | None,
+    def summary(self, status: str, step: int, epochs_completed: int, samples_seen: int, resumed_from: int | None,
                 model: str, dataset: str | None) -> dict[str, Any]:
         settings, ctx = self.settings, self.ctx
         return {
             "status": status, "strategy": settings.strategy, "world_size": ctx.world_size, "backend": ctx.backend,
             "device": str(ctx.device), "model": model, "dataset": dataset, "global_step": step,
-            "epochs_completed": epochs_completed, "samples_seen": step * samples_per_step,
+            "epochs_completed": epochs_completed, "samples_seen": samples_seen,
             "samples_per_second": self.throughput.samples_per_second(),
             "wall_seconds": time.perf_counter() - self.started, "train_loss": self.train_loss,
             "val_loss": self.validation.get("Loss/val"), "val_acc1": self.validation.get("acc1/val"),
