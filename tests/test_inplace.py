@@ -1226,13 +1226,14 @@ def test_over_the_nccl_replica_group_the_state_arrives_on_the_gpu_and_the_float6
 
 # ------------------------------------------------------------------------------------------------ bad input
 
-def dry_run(env: dict[str, str], *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+def dry_run(env: dict[str, str], *args: str, pythonpath: str | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     from helpers import clean_env
 
     full = clean_env({"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **env})
     if pythonpath is not None:
         full["PYTHONPATH"] = f"{pythonpath}:{full.get('PYTHONPATH', '')}"
-    return subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", *args], env=full,
+    return subprocess.run([sys.executable, "-m", "trainer.cli.launch", "--dry-run", *args], env=full, cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -1263,6 +1264,33 @@ def test_in_place_asked_for_a_plain_script_or_fsdp_takes_the_restart_path_and_sa
     assert not {"--master-addr=127.0.0.1", "--master-port=29511"} & set(command), command
     path, line = recovery_of(dry_run({"RECOVERY": "restart"}, "--model", "cnn"))
     assert path == "restart" and line.endswith("(RECOVERY=restart)"), line
+
+
+def test_a_thin_wrapper_around_a_loop_of_its_own_modules_recovers_in_place(tmp_path):
+    """The launcher reads the script's source for the loop pieces, and those of the modules it imports from its own
+    folder: a wrapper (`from my_train import main; main()`), a package beside it reached by a relative import, and
+    `-m` of a module in the working directory recover in place; a wrapper whose own module steps by hand does not,
+    and an installed package's loop (trainer's own) is not the script's."""
+    loop = ("from trainer import api\n\ndef main():\n    with api.Run() as run:\n        for micro in run.steps(loader):\n"
+            "            run.optimizer_step(optimizer)\n")
+    (tmp_path / "my_train.py").write_text(loop)
+    (tmp_path / "thin.py").write_text("from my_train import main\n\nmain()\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "entry.py").write_text("from . import loop\n\nloop.main()\n")
+    (tmp_path / "pkg" / "loop.py").write_text(loop)
+    (tmp_path / "thin_pkg.py").write_text("import pkg.entry\n")
+    (tmp_path / "by_hand.py").write_text("from trainer import api\n\ndef main():\n    run.step(loss=1.0)\n")
+    (tmp_path / "thin_by_hand.py").write_text("from by_hand import main\n\nmain()\n")
+    (tmp_path / "thin_installed.py").write_text("from trainer.engine import loop\n\nloop.main()\n")
+    for script in ("thin.py", "thin_pkg.py"):
+        path, line = recovery_of(dry_run({}, str(tmp_path / script)))
+        assert path == "in-place", (script, line)
+    path, line = recovery_of(dry_run({}, "-m", "pkg.entry", cwd=tmp_path))
+    assert path == "in-place", line
+    for script in ("thin_by_hand.py", "thin_installed.py"):
+        path, line = recovery_of(dry_run({}, str(tmp_path / script)))
+        assert path == "restart" and f"{script} does not train through trainer.api's run.steps()" in line, line
 
 
 def test_on_gpus_an_elastic_job_recovers_in_place_only_when_asked():

@@ -438,19 +438,60 @@ def local_group(job: Topology, local_addr: str) -> Topology:
 
 
 def script_off_the_loop(program: Program) -> str | None:
-    """Why a script cannot take an abandoned step again (None: its source trains through run.steps() and
-    run.optimizer_step(), the loop pieces that can)."""
-    path = program.target[0] if program.target[0] != "-m" else _module_file(program.target[1])
-    try:
-        source = "\n".join(line for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
-                           if not line.lstrip().startswith("#"))
-    except (OSError, TypeError):
-        source = ""
+    """Why a script cannot take an abandoned step again (None: its source, or a module of its own that it imports,
+    trains through run.steps() and run.optimizer_step(), the loop pieces that can)."""
+    module = program.target[0] == "-m"
+    path = _module_file(program.target[1]) if module else program.target[0]
+    texts = _own_sources(Path(path), Path.cwd() if module else Path(path).parent) if path else ()
+    source = "\n".join(line for text in texts for line in text.splitlines() if not line.lstrip().startswith("#"))
     if all(piece.search(source) for piece in LOOP_PIECES):
         return None
     name = shlex.join(program.target)
     return (f"{name} does not train through trainer.api's run.steps() and run.optimizer_step(), which take an "
             "abandoned step again (docs/your-code.md)")
+
+
+OWN_SOURCES_READ = 64  # a project's own modules the scan reads at most: a thin wrapper's loop is one or two away
+
+
+def _own_sources(script: Path, root: Path):
+    """The script's source, then those of the modules it imports from `root` (sys.path's first entry: the script's
+    folder, or the working directory for `-m`) or relative to itself (a wrapper's `from my_train import main`, a
+    package beside it), breadth first: the loop may live in any of them. Installed packages are not read: their
+    loops are not the script's."""
+    import ast
+
+    queue, seen = [script], set()
+    while queue and len(seen) < OWN_SOURCES_READ:
+        file = queue.pop(0)
+        if file in seen:
+            continue
+        seen.add(file)
+        try:
+            text = file.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        yield text
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name.split(".") for alias in node.names]
+                base = root
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module.split(".") if node.module else []
+                names = [module] + [module + [alias.name] for alias in node.names]
+                base = root if not node.level else file.parent
+                for _ in range(node.level - 1):  # `from .. import x`: the package above
+                    base = base.parent
+            else:
+                continue
+            for parts in names:
+                if parts:
+                    queue += [found for found in (base.joinpath(*parts).with_suffix(".py"),
+                                                  base.joinpath(*parts, "__init__.py")) if found.is_file()]
 
 
 def free_port() -> int:
