@@ -254,10 +254,10 @@ def test_averaging_on_the_references_schedule_starts_after_its_warm_up_epochs():
 
 
 # ---------------------------------------------------------------- the run's state (trainer/engine/train_state.py)
-def settings(epochs: int = 2, max_steps: int = 0):
+def settings(epochs: int = 2, max_steps: int = 0, grad_accum: int = 1):
     from types import SimpleNamespace
 
-    return SimpleNamespace(epochs=epochs, max_steps=max_steps)
+    return SimpleNamespace(epochs=epochs, max_steps=max_steps, grad_accum=grad_accum)
 
 
 def test_the_state_ends_at_the_planned_total_or_max_steps_and_says_when_that_is_mid_epoch():
@@ -268,15 +268,35 @@ def test_the_state_ends_at_the_planned_total_or_max_steps_and_says_when_that_is_
     state.plan(steps_per_epoch=3, epochs=None)
     assert state.total_steps == 5 and state.epochs_to_train(None) == 2
     for step in range(1, 6):
-        epoch, counted, last = state.step_counted(micro=2)
+        epoch, counted, last = state.step_counted(micro=2, samples=8)
         assert (counted, last) == (step, step == 5)
         epoch_done = step % 3 == 0
         assert state.step_ended(stopping=False, last=last, epoch_done=epoch_done) == last
         if epoch_done:
             state.epoch_ended()
-    assert state.position == Position(1, 4, 5) and state.ended and state.ended_mid_epoch and not state.stopped
+    assert state.position == Position(1, 4, 5, 40) and state.ended and state.ended_mid_epoch and not state.stopped
     assert state.past_the_end()
     assert TrainState(settings(epochs=3), None).total_steps is None  # no plan, no max_steps: not known
+
+
+def test_the_plan_counts_the_epochs_left_at_this_runs_steps_on_from_the_checkpoints_step():
+    """A checkpoint trained at another global batch (--batch-size per process, another world size): the epochs left
+    are this run's steps per epoch, counted on from its step; at the same global batch the plan is the plain one."""
+    from trainer.engine.train_state import TrainState
+
+    state = TrainState(settings(epochs=3), batch_size=8)
+    state.plan(steps_per_epoch=20, epochs=None, resumed=Position(1, 0, 40))  # epoch 0 at half this run's batch
+    assert state.total_steps == 40 + 2 * 20
+    state.plan(steps_per_epoch=20, epochs=None, resumed=Position(1, 0, 20))  # the same global batch
+    assert state.total_steps == 60
+    state.plan(steps_per_epoch=80, epochs=None, resumed=Position(1, 0, 40))  # epoch 0 at twice this run's batch
+    assert state.total_steps == 40 + 2 * 80
+    accum = TrainState(settings(epochs=2, grad_accum=2), batch_size=8)  # mid-epoch: micro-batch 12 of steps of 2
+    accum.plan(steps_per_epoch=10, epochs=None, resumed=Position(0, 12, 30))
+    assert accum.total_steps == 30 + (10 - 6) + 10
+    capped = TrainState(settings(epochs=3, max_steps=50), batch_size=8)  # max_steps is a step count: it still caps
+    capped.plan(steps_per_epoch=20, epochs=None, resumed=Position(1, 0, 40))
+    assert capped.total_steps == 50
 
 
 def test_the_state_moves_a_checkpoints_position_only_while_the_run_is_where_it_left_it():
@@ -289,6 +309,6 @@ def test_the_state_moves_a_checkpoints_position_only_while_the_run_is_where_it_l
     state.batch_size = 8
     assert state.resized(9, batch=3) and state.position == Position(1, 3, 9)
     assert state.samples_per_batch(largest=4) == 32
-    state.step_counted(micro=1)
+    state.step_counted(micro=1, samples=32)
     assert not state.resized(9, batch=1) and not state.nothing_trained()  # trained on: the checkpoint is behind
     assert state.last_of_epoch(accum=2, batches_per_epoch=7)  # batch 4 + 2 reaches 6, the epoch's whole steps
