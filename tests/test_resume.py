@@ -201,6 +201,8 @@ def test_a_resume_at_another_world_size_trains_every_epoch_left_at_the_new_size(
     total = first + 2 * per_epoch
     resumed = train_ok([*run, "--epochs", "3"], tmp_path, nproc=after, forked=True)
     assert f"{total} steps, {per_epoch} per epoch" in resumed.stderr, resumed.stderr[-3000:]
+    assert (f"(step {first}, epoch 1, batch 0); a micro-batch over all ranks is {8 * after} samples, {8 * before} "
+            "at the checkpoint (the batch size is per process, and the world size changed)") in resumed.stderr
     summary = read_summary(tmp_path / "runs")
     assert (summary["resumed_from_step"], summary["global_step"], summary["epochs_completed"]) == (first, total, 3)
     # Three epochs of 320 samples, whatever the steps' sizes (not the last step times its global batch), in the

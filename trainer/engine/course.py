@@ -56,8 +56,13 @@ class Course:
             self.observers.attach(model, wrapped if wrapped is not None else model, optimizer, state.total_steps,
                                   state.position.step)
         if state.resumed_from is not None:
-            log.info("resuming from %s (step %d, epoch %d, batch %d)", self.checkpointer.resumed_path,
-                     state.position.step, state.position.epoch, state.position.batch)
+            saved, now = self.checkpointer.saved_position, state.samples_per_batch(self.driver.members.largest)
+            log.info("resuming from %s (step %d, epoch %d, batch %d)%s", self.checkpointer.resumed_path,
+                     state.position.step, state.position.epoch, state.position.batch,
+                     "" if saved is None or state.batch_size is None or saved["samples_per_batch"] == now else
+                     f"; a micro-batch over all ranks is {now} samples, {saved['samples_per_batch']} at the "
+                     "checkpoint (the batch size is per process, and the world size changed): the epochs left are "
+                     "counted in this run's steps")
         if state.over():  # a finished run started again: it trains nothing, and says so at its end
             return
         # In place every step trains the largest world's global batch, whatever the membership.
