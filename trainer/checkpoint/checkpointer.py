@@ -59,6 +59,10 @@ class ResumePoint:
     records_built: bool = True  # it records its optimizers' settings as built (checkpoints before that did not)
 
 
+# What saved_position keeps of a checkpoint: where it stood, and the size of its micro-batches over all ranks.
+SAVED_POSITION = ("epoch", "batch", "global_step", "samples_per_batch")
+
+
 @dataclass(frozen=True)
 class Labels:
     """How this run's user names the settings in one-line errors: flags for the built-in loop
@@ -259,7 +263,7 @@ class Checkpointer:
         ckpt.restore(self.objects, state, source, model is not None and is_sharded(model), self.labels.resume,
                      self.labels.fix)
         ckpt.set_rng_state(self.ctx.device, state["rng"])
-        self.saved_position = {key: state[key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
+        self.saved_position = {key: state[key] for key in SAVED_POSITION}
         return Position(state["epoch"], state["batch"], state["global_step"], ckpt.samples_seen(state))
 
     def state_at(self, pos: Position, samples_per_batch: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -277,7 +281,7 @@ class Checkpointer:
         micro-batches of samples_per_batch (over all ranks); None: the run starts afresh."""
         saved = self.saved_position
         if saved is None and self._found is not None:
-            saved = {key: self._found[0][key] for key in ("epoch", "batch", "global_step", "samples_per_batch")}
+            saved = {key: self._found[0][key] for key in SAVED_POSITION}
         if saved is None:
             return None
         return Position(saved["epoch"], ckpt.batch_in(saved, samples_per_batch, grad_accum)[0], saved["global_step"])
