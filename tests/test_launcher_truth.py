@@ -653,6 +653,51 @@ def test_a_script_ending_as_the_tutorials_do_frees_its_process_group_before_the_
         assert f"rank {rank} freed the model, finalizing=False" in result.stderr, result.stderr[-3000:]
 
 
+API_ENDING = """
+import os, sys
+
+import torch
+from trainer import api
+
+
+class Witness:
+    def __del__(self):
+        print(f"rank {os.environ['RANK']} freed the model, finalizing={sys.is_finalizing()}", file=sys.stderr,
+              flush=True)
+
+
+def main():
+    with api.Run(checkpoint_every=0) as run:
+        model = run.wrap(torch.nn.Linear(4, 2))
+        model.witness = Witness()
+        model.witness.model = model  # a cycle, as DDP's hooks make one, made certain
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.resume(model=model, optimizer=optimizer)
+        for _ in range(2):
+            run.backward(model(torch.ones(8, 4)).sum())
+            run.optimizer_step(optimizer)
+            run.step()
+
+
+main()
+"""
+
+
+def test_a_script_on_the_api_under_plain_torchrun_frees_its_model_while_the_interpreter_is_whole(tmp_path):
+    """Not only under the launcher: a process that formed its group through trainer.api (the built-in loop too)
+    frees what still holds the group at its exit, before the interpreter's teardown (CI: rank 1 of the built-in
+    loop under plain torchrun aborted after its last step, "terminate called without an active exception")."""
+    (tmp_path / "ending.py").write_text(API_ENDING)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "ending.py"], cwd=tmp_path,
+                            env=clean_env({"TRAIN_CHECKPOINT_DIR": str(tmp_path / "c"),
+                                           "TRAIN_LOG_DIR": str(tmp_path / "r")}),
+                            capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} freed the model, finalizing=False" in result.stderr, result.stderr[-3000:]
+
+
 def test_a_rank_that_aborts_at_exit_after_its_last_step_is_named_so(tmp_path):
     """A SIGABRT after the program returned is not a crash in training: the end line says so and where the fix is."""
     (tmp_path / "ending.py").write_text(TUTORIAL_ENDING)

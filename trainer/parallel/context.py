@@ -6,6 +6,7 @@ Topology; everything else asks the DistContext instead of re-reading RANK.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import logging
@@ -18,7 +19,7 @@ from typing import TypeVar
 from trainer.cluster.topology import Topology
 from trainer.config.settings import LIGHTHOUSE_ENV, check_gpu_options
 from trainer.core.errors import UsageError, first_line
-from trainer.parallel import known_warnings
+from trainer.parallel import at_exit, known_warnings
 from trainer.parallel.supervised import group_store_prefix
 
 T = TypeVar("T")
@@ -125,6 +126,12 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
                                 world_size=topology.world_size, timeout=timeout, device_id=device_id)
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
+    # Whatever starts this process (plain torchrun, srun, a container per rank; trainer-launch's bootstrap collects
+    # too): a model that still holds the group through its cycles once the program is done is freed at exit while
+    # the interpreter is whole, not in its teardown, where the group's threads aborted a finished run (CI: rank 1 of
+    # a local-SGD resume under plain torchrun, "terminate called without an active exception" after its last step).
+    atexit.unregister(at_exit.collect_while_alive)  # once, however many groups this process forms
+    atexit.register(at_exit.collect_while_alive)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(topology, backend, device, control)
 
