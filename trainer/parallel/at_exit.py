@@ -3,7 +3,9 @@
 A DDP model keeps its process group alive through reference cycles; left to the interpreter's teardown, the group's
 C++ threads were destroyed there and aborted the process after its last step ("terminate called without an active
 exception", SIGABRT): the job failed after it had finished. The bootstrap collects them after the program returns;
-a script run once on its host starts its ranks itself (mp.spawn), and those collect them at their exit.
+a script run once on its host starts its ranks itself (mp.spawn), and those collect them at their exit; a process
+that forms its group through the trainer (parallel.context.setup: the built-in loop, trainer.api) collects them at
+its exit whatever started it (plain torchrun, srun).
 
 A module of its own, not the bootstrap's: a spawned child finds what it calls at exit by this module's name (the
 bootstrap runs as __main__).
@@ -42,8 +44,15 @@ class _CollectedAtExit:
         return self.fn(*args, **kwargs)
 
 
+def collect_at_exit() -> None:
+    """collect_while_alive at this process's exit (atexit: before the interpreter's teardown), once however often
+    it is asked."""
+    atexit.unregister(collect_while_alive)
+    atexit.register(collect_while_alive)
+
+
 def _collected_at_exit(fn):
-    atexit.register(collect_while_alive)  # at the child's exit, before the interpreter's teardown
+    collect_at_exit()  # at the child's exit
     return fn
 
 

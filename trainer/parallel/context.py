@@ -6,7 +6,6 @@ Topology; everything else asks the DistContext instead of re-reading RANK.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import gc
 import logging
@@ -130,8 +129,7 @@ def setup(topology: Topology, backend_choice: str, timeout_s: float) -> DistCont
     # too): a model that still holds the group through its cycles once the program is done is freed at exit while
     # the interpreter is whole, not in its teardown, where the group's threads aborted a finished run (CI: rank 1 of
     # a local-SGD resume under plain torchrun, "terminate called without an active exception" after its last step).
-    atexit.unregister(at_exit.collect_while_alive)  # once, however many groups this process forms
-    atexit.register(at_exit.collect_while_alive)
+    at_exit.collect_at_exit()
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(topology, backend, device, control)
 
