@@ -363,8 +363,18 @@ def test_the_stack_fix_is_in_the_syntax_of_where_it_runs(tmp_path):
                           "--log-dir", str(tmp_path / "r"), "--env-file", os.devnull],
                          capture_output=True, text=True, cwd=tmp_path, preexec_fn=lower_stack, timeout=120, env=env)
     (stack,) = [c for c in json.loads(out.stdout)["checks"] if c["name"] == "ulimit stack"]
+    # No GPU here: 8 MiB trains on the CPU, a pass that says so (a bare WARN was read as a failure's cause).
+    assert stack["status"] == "pass" and stack["value"] == "8.0 MiB (enough on the CPU; NVIDIA's containers run " \
+        "CUDA with 64 MiB)", stack
+    # With a GPU it is a warning, with the fix for where this test runs.
+    probe = ("import json, os; from dataclasses import asdict; from trainer.cli.doctor import check_ulimits; "
+             "print(json.dumps([asdict(c) for c in check_ulimits(1, os.environ) if c.name == 'ulimit stack']))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                         preexec_fn=lower_stack, timeout=120, env=env)
+    (stack,) = json.loads(out.stdout)
     here = container_runtime(env)
-    assert stack["status"] == "warn" and stack["value"] == "8.0 MiB" and stack["fix"] == limit_fixes(here)[1], stack
+    assert stack["status"] == "warn" and stack["value"] == "8.0 MiB (below the 64 MiB NVIDIA's containers run CUDA " \
+        "with)" and stack["fix"] == limit_fixes(here)[1], stack
 
     # Where each kind of place is recognised, on a root of its own: the marker files the engines write.
     (tmp_path / "docker").mkdir()

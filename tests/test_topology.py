@@ -406,6 +406,20 @@ def test_dry_run_prints_the_topology_as_one_json_object_and_starts_nothing(tmp_p
     assert files_under(tmp_path) == set()
 
 
+def test_dry_run_on_one_host_shows_the_free_port_a_launch_takes_not_torchruns_default(tmp_path):
+    """With MASTER_PORT unset on one host a launch takes a free port (host networking shares the host's ports);
+    the dry run showed 29500 from the "default" source, a port no launch used. It shows a free port now, and its
+    source says that each launch takes one anew."""
+    printed = json.loads(launch(["--dry-run", "--model", "cnn"], {}, tmp_path).stdout)
+    port = printed["master_port"]
+    assert printed["sources"]["master_port"] == "a free port, taken at each launch (one host, MASTER_PORT unset)"
+    assert port != 29500 and f"--master-port={port}" in printed["command"]
+    with socket.socket() as sock:
+        sock.bind(("", port))  # free: the dry run holds nothing
+    explicit = json.loads(launch(["--dry-run", "--model", "cnn"], {"MASTER_PORT": "29500"}, tmp_path).stdout)
+    assert (explicit["master_port"], explicit["sources"]["master_port"]) == (29500, "MASTER_PORT (explicit)")
+
+
 def test_dry_run_of_a_script_keeps_the_scripts_arguments(tmp_path):
     (tmp_path / "train.py").write_text("print('never run')\n")
     result = launch(["--dry-run", "train.py", "--dry-run"], {"NPROC_PER_NODE": "3"}, tmp_path)

@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dry_run, args = split_dry_run(args, os.environ)
     with exit_on_usage_error():
         env = launcher.with_dotenv(os.environ, *launcher.dotenv_file(args))
-        launch = build_command(env, args, pick_port=not dry_run)
+        launch = build_command(env, args, pick_port=True)
         if launch.cfg is not None:
             check_the_cut(launch.cfg)
         for line in [*launcher.grace_warnings(env, launch.settings.stop_grace), recovery_unused(env, launch.job)]:

@@ -306,16 +306,15 @@ def single_worker_command(args: Sequence[str], target: Sequence[str] = BUILTIN) 
 def build_command(env: Mapping[str, str], argv: Sequence[str], gpu_count: Callable[[], int] = visible_gpu_count,
                   pick_port: bool = False) -> Launch:
     """What to run, its topology, settings and the training options it runs with, validated on the way.
-    pick_port: on one host with MASTER_PORT unset, take a free port (not for --dry-run, which starts nothing)."""
+    pick_port: on one host with MASTER_PORT unset, take a free port (--dry-run too: it shows what a launch does,
+    a free port, which the next launch takes anew)."""
     program = choose_program(argv, env)
     # All but the world-size checks, before counting GPUs (which may import torch).
     options = load_config(list(program.args), env, world_size=None) if program.builtin else None
     topology = topo.resolve(env, topo.LAUNCHER, gpu_count)
     settings = launcher.read(env, topology.elastic)
-    if pick_port and topology.mode == topo.TORCHRUN and topology.nnodes == 1 and not topology.elastic and \
-            topology.sources.get("master_port", "default") == "default":
-        topology = replace(topology, master_port=free_port(),
-                           sources={**topology.sources, "master_port": "a free port (one host, MASTER_PORT unset)"})
+    if pick_port:
+        topology = with_launch_port(topology)
     launch = Launch(single_worker_command(program.args, program.target), topology, None, None, settings, program)
     if topology.mode == topo.TORCHRUN:  # else this process is one rank already: no agent
         rdzv = rendezvous(topology, settings)
@@ -492,6 +491,19 @@ def _own_sources(script: Path, root: Path):
                 if parts:
                     queue += [found for found in (base.joinpath(*parts).with_suffix(".py"),
                                                   base.joinpath(*parts, "__init__.py")) if found.is_file()]
+
+
+def with_launch_port(topology: topo.Topology) -> topo.Topology:
+    """The topology with the port a launch meets on: on one host with MASTER_PORT unset, a free port (as torchrun
+    --standalone takes one; each launch takes its own), not torchrun's 29500."""
+    if topology.mode == topo.TORCHRUN and topology.nnodes == 1 and not topology.elastic and \
+            topology.sources.get("master_port", "default") == "default":
+        return replace(topology, master_port=free_port(),
+                       sources={**topology.sources, "master_port": FREE_PORT_SOURCE})
+    return topology
+
+
+FREE_PORT_SOURCE = "a free port, taken at each launch (one host, MASTER_PORT unset)"
 
 
 def free_port() -> int:
